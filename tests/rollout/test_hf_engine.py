@@ -1,0 +1,109 @@
+import pytest
+import torch
+
+from gpo.policy import completion_logprobs, position_ids
+from gpo.rollout import HFEngine, Sampling
+from gpo.rollout.hf import completion_mask, left_pad
+from gpo.testing import char_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def policy_and_tokenizer():
+    return tiny_model("llama", seed=0), char_tokenizer()
+
+
+def engine(policy_and_tokenizer, **kwargs):
+    e = HFEngine(**kwargs)
+    e.setup(*policy_and_tokenizer)
+    return e
+
+
+def naive_logprobs(model, input_ids, attention_mask, length, temperature):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
+    logp = torch.log_softmax(logits[:, -length - 1 : -1].double() / temperature, -1)
+    return logp.gather(-1, input_ids[:, -length:, None])[..., 0]
+
+
+def test_left_pad_and_completion_mask_hand_worked():
+    ids, mask = left_pad([[5, 6], [7]], pad_id=0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    # EOS = 1: row 0 ends at position 1 (EOS kept in the mask), row 1 has no EOS (truncated), row 2 EOS first
+    mask, truncated = completion_mask(torch.tensor([[4, 1, 0, 0], [4, 5, 6, 7], [1, 0, 0, 0]]), eos_id=1)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_generates_n_grouped_samples_with_masks_and_logprobs(policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    prompts = [tok("sort 312:").input_ids, tok("ab").input_ids]
+    rollout = engine(policy_and_tokenizer, temperature=0.9, max_new_tokens=6).generate(prompts, n=3, seed=0)
+    assert len(rollout) == 6 and rollout.group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert rollout.completion_ids.shape[1] <= 6
+    # prompts are left-padded copies of the inputs
+    for row, prompt in enumerate([prompts[0]] * 3 + [prompts[1]] * 3):
+        assert rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist() == prompt
+    # padding after EOS carries no mask and no log-prob; truncated rows have no EOS
+    eos = tok.eos_token_id
+    for row in range(6):
+        tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+        assert (eos not in tokens) == rollout.truncated[row].item()
+        assert eos not in tokens[:-1]
+    assert torch.all(rollout.logp[rollout.completion_mask == 0] == 0)
+    ref = naive_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1], 0.9)
+    real = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.logp[real].double(), ref[real], atol=1e-5, rtol=1e-5)
+
+
+def test_seed_makes_sampling_reproducible_and_greedy_is_deterministic(policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    e = engine(policy_and_tokenizer, max_new_tokens=8)
+    prompts = [tok("hello").input_ids]
+    a, b = e.generate(prompts, n=4, seed=7), e.generate(prompts, n=4, seed=7)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    greedy = e.generate(prompts, n=3, greedy=True)
+    assert all(torch.equal(greedy.completion_ids[0], row) for row in greedy.completion_ids)
+
+
+def test_batched_generation_matches_one_call_under_greedy(policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    prompts = [tok(text).input_ids for text in ("a", "bcd", "efghij")]
+    whole = engine(policy_and_tokenizer, max_new_tokens=5).generate(prompts, n=2, greedy=True)
+    split = engine(policy_and_tokenizer, max_new_tokens=5, batch_size=2).generate(prompts, n=2, greedy=True)
+    width = min(whole.completion_ids.shape[1], split.completion_ids.shape[1])
+    assert torch.equal(whole.completion_ids[:, :width], split.completion_ids[:, :width])
+
+
+def test_every_row_truncated_when_budget_is_one_token(policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    rollout = engine(policy_and_tokenizer, max_new_tokens=1).generate([tok("xy").input_ids], n=4, seed=1)
+    assert rollout.completion_ids.shape == (4, 1)
+    eos_rows = rollout.completion_ids[:, 0] == tok.eos_token_id
+    assert torch.equal(rollout.truncated, ~eos_rows)
+
+
+def test_select_keeps_rows_consistent(policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    rollout = engine(policy_and_tokenizer, max_new_tokens=3).generate([tok("a").input_ids, tok("b").input_ids], n=2)
+    rollout.fields = {"answer": ["x", "x", "y", "y"]}
+    part = rollout.select([3, 0])
+    assert part.group.tolist() == [1, 0] and part.fields["answer"] == ["y", "x"]
+    assert torch.equal(part.completion_ids[0], rollout.completion_ids[3])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
+def test_completion_logprobs_fused_path_matches_model_logits(arch):
+    model = tiny_model(arch, seed=1)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    out, router = completion_logprobs(model, ids, mask, 3, temperature=0.7, output_router_logits=arch == "qwen2_moe")
+    torch.testing.assert_close(out.logp.double(), naive_logprobs(model, ids, mask, 3, 0.7), atol=1e-5, rtol=1e-5)
+    assert (router is not None) == (arch == "qwen2_moe")
+
+
+def test_sampling_settings_are_validated():
+    with pytest.raises(ValueError, match="temperature=0"):
+        Sampling(temperature=0)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        HFEngine(top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        HFEngine(max_new_tokens=0)
