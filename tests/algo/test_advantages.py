@@ -134,3 +134,21 @@ def test_invalid_choices_list_the_valid_ones():
         GroupNormAdvantage(scale="global")
     with pytest.raises(ValueError, match="'population', 'sample'"):
         GroupNormAdvantage(std="biased")
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        # group of two, rewards (1, 0) and (0.3, 0.3):
+        (GroupNormAdvantage(), [1, -1, 0, 0]),  # population std 0.5 -> +-1 (2-GRPO)
+        (GroupNormAdvantage(std="sample"), [0.7071068, -0.7071068, 0, 0]),  # sample std sqrt(0.5)
+        (GroupNormAdvantage(scale="none"), [0.5, -0.5, 0, 0]),
+        (LeaveOneOutAdvantage(), [1, -1, 0, 0]),  # r_i - r_j
+        (RankAdvantage(), [1, -1, 0, 0]),
+        # centred (0.5, -0.5, 0, 0): batch mean 0, population std sqrt((0.25 + 0.25) / 4) = 0.35355
+        (BatchWhitenedAdvantage(), [1.4142136, -1.4142136, 0, 0]),
+    ],
+    ids=lambda x: type(x).__name__ if not isinstance(x, list) else "",
+)
+def test_groups_of_two(estimator, expected):
+    assert seq_adv(estimator, [1.0, 0.0, 0.3, 0.3], [0, 0, 1, 1]) == pytest.approx(expected, abs=1e-6)
