@@ -103,7 +103,7 @@ def test_completion_logprobs_fused_path_matches_model_logits(arch):
 def test_sampling_settings_are_validated():
     with pytest.raises(ValueError, match="temperature=0"):
         Sampling(temperature=0)
-    with pytest.raises(ValueError, match="top_p=1.5"):
+    with pytest.raises(ValueError, match=r"top_p=1\.5"):
         HFEngine(top_p=1.5)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         HFEngine(max_new_tokens=0)

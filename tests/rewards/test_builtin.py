@@ -1,0 +1,180 @@
+"""Built-in rewards: hand-worked scores, edge cases and error messages."""
+
+import math
+import threading
+
+import pytest
+
+from gpo.rewards import LengthPenalty, RegexFormat, exact_match, math_answer, positional_match
+
+PROMPTS = ["q"] * 4
+IDS = [[1]] * 4  # the trainer always passes completion_ids
+
+
+def check(scores, n):
+    assert len(scores) == n
+    assert all(isinstance(s, float) and not math.isnan(s) for s in scores)
+
+
+# --- exact_match ---
+
+
+def test_exact_match_strips_whitespace_and_ignores_unknown_columns():
+    completions = ["42", " 42\n", "", "42.0"]
+    scores = exact_match(PROMPTS, completions, answer=["42", "42", "42", " 42 "], completion_ids=IDS, source=["a"] * 4)
+    check(scores, 4)
+    assert scores == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_exact_match_empty_completion_matches_only_empty_answer():
+    assert exact_match(["q", "q"], ["", "  "], answer=["", "x"]) == [1.0, 0.0]
+
+
+def test_exact_match_number_answers_are_formatted_as_text():
+    assert exact_match(["q", "q"], ["7", "7.0"], answer=[7, 7]) == [1.0, 0.0]
+
+
+def test_missing_answer_column_names_function_column_and_available_ones():
+    with pytest.raises(ValueError) as e:
+        exact_match(PROMPTS, ["a"] * 4, completion_ids=IDS, solution=["a"] * 4)
+    assert str(e.value) == "exact_match needs a column 'answer'; the dataset has: completion_ids, solution"
+    for fn in (math_answer, positional_match):
+        expected = rf"^{fn.__name__} needs a column 'answer'; the dataset has: completion_ids$"
+        with pytest.raises(ValueError, match=expected):
+            fn(PROMPTS, ["a"] * 4, completion_ids=IDS)
+
+
+@pytest.mark.parametrize("fn", [exact_match, math_answer, positional_match])
+def test_wrong_length_or_none_answer_is_an_error(fn):
+    with pytest.raises(ValueError, match=r"column 'answer' has 3 values for 4 completions"):
+        fn(PROMPTS, ["1"] * 4, answer=["1"] * 3)
+    with pytest.raises(ValueError, match=r"column 'answer' is None at row 1"):
+        fn(["q", "q"], ["1", "1"], answer=["1", None])
+
+
+# --- math_answer ---
+
+
+def test_math_answer_equivalent_forms():
+    completions = [
+        r"The answer is \boxed{\frac{1}{2}}",  # gold 0.5
+        "so it is 0.5",  # gold \frac{1}{2}
+        r"First 41, no wait: \boxed{42}",  # boxed wins
+        "The total is 1000.",  # gold 1,000
+        r"$\boxed{1+x^2}$",  # gold x^2+1, symbolic
+        "#### 72",  # GSM8K style
+    ]
+    golds = ["0.5", r"\frac{1}{2}", "42", "1,000", "$x^2+1$", "72"]
+    scores = math_answer(["q"] * 6, completions, answer=golds, completion_ids=[[1]] * 6, level=[3] * 6)
+    check(scores, 6)
+    assert scores == [1.0] * 6
+
+
+def test_math_answer_wrong_empty_or_unparsable_scores_zero():
+    completions = [r"\boxed{3}", "", "   ", "no numbers here", "42 apples, not 7", "hello"]
+    golds = ["4", "4", "4", "4", "42", "hello"]  # last number wins; a gold with no math never matches
+    scores = math_answer(["q"] * 6, completions, answer=golds)
+    check(scores, 6)
+    assert scores == [0.0] * 6
+
+
+def test_math_answer_works_off_the_main_thread():
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(s=math_answer(["q"], ["0.5"], answer=[r"\frac{1}{2}"])))
+    thread.start()
+    thread.join()
+    assert result["s"] == [1.0]
+
+
+# --- positional_match ---
+
+
+def test_positional_match_hand_worked():
+    completions = ["12345", "12335", "123", "1234567", "", " 12345 ", "54321"]
+    scores = positional_match(["q"] * 7, completions, answer=["12345"] * 7, completion_ids=[[1]] * 7, extra=[0] * 7)
+    check(scores, 7)
+    # 5/5; 4/5 (one digit wrong); 3/5 (short); extras don't add; empty; stripped; only the middle 3 matches
+    assert scores == pytest.approx([1.0, 0.8, 0.6, 1.0, 0.0, 1.0, 0.2])
+
+
+def test_positional_match_empty_answer_is_an_error():
+    with pytest.raises(ValueError, match=r"column 'answer' is empty at row 1"):
+        positional_match(["q", "q"], ["1", "1"], answer=["1", "  "])
+
+
+# --- RegexFormat ---
+
+
+def test_regex_format_search_and_full_match():
+    completions = ["<think>a\nb</think><answer>4</answer>", "x <answer>4</answer> y", "", "<answer></answer>"]
+    search = RegexFormat(pattern=r"<answer>.+</answer>", reward=0.5)
+    full = RegexFormat(pattern=r"<think>.*</think><answer>.+</answer>", full_match=True, name="format")
+    assert search(PROMPTS, completions, completion_ids=IDS, answer=["4"] * 4) == [0.5, 0.5, 0.0, 0.0]
+    assert full(PROMPTS, completions) == [1.0, 0.0, 0.0, 0.0]  # DOTALL: the newline inside <think> is fine
+    assert (search.name, search.__name__, full.name) == ("regex_format", "regex_format", "format")
+
+
+def test_regex_format_rejects_bad_pattern_and_reward():
+    with pytest.raises(ValueError, match=r"pattern '\(a' is not a valid regular expression"):
+        RegexFormat(pattern="(a")
+    with pytest.raises(ValueError, match="finite"):
+        RegexFormat(pattern="a", reward=float("nan"))
+
+
+# --- LengthPenalty ---
+
+
+def test_length_penalty_hand_worked():
+    penalty = LengthPenalty(max_tokens=3, penalty_per_token=0.5)
+    ids = [[], [1, 2, 3], [1, 2, 3, 4], list(range(10))]
+    scores = penalty(PROMPTS, ["", "a", "b", "c"], completion_ids=ids, answer=["x"] * 4)
+    check(scores, 4)
+    assert scores == [0.0, 0.0, -0.5, -3.5]
+    assert all(math.copysign(1.0, s) == 1.0 for s in scores[:2])  # +0.0, not -0.0
+    assert penalty.__name__ == "length_penalty"
+
+
+def test_length_penalty_column_errors():
+    penalty = LengthPenalty(max_tokens=3)
+    with pytest.raises(ValueError, match=r"^length_penalty needs a column 'completion_ids'; the dataset has: answer$"):
+        penalty(["q"], ["a"], answer=["a"])
+    with pytest.raises(ValueError, match=r"column 'completion_ids' has 1 values for 2 completions"):
+        penalty(["q", "q"], ["a", "b"], completion_ids=[[1]])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_tokens": -1}, {"max_tokens": 2.5}, {"max_tokens": True}, {"max_tokens": 4, "penalty_per_token": -0.1}],
+)
+def test_length_penalty_rejects_bad_args(kwargs):
+    with pytest.raises(ValueError, match="LengthPenalty"):
+        LengthPenalty(**kwargs)
+
+
+def test_length_penalty_rejects_infinite_penalty():
+    with pytest.raises(ValueError, match="penalty_per_token"):
+        LengthPenalty(max_tokens=4, penalty_per_token=float("inf"))
+
+
+def test_empty_batch_gives_empty_scores():
+    for fn in (exact_match, math_answer, positional_match, RegexFormat(pattern="a"), LengthPenalty(max_tokens=1)):
+        assert fn([], [], answer=[], completion_ids=[]) == []
+
+
+def test_rewards_configure_from_class_path_and_init_args():
+    from collections.abc import Callable
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--rewards", type=list[Callable])
+    config = [
+        "gpo.rewards.exact_match",
+        {"class_path": "gpo.rewards.RegexFormat", "init_args": {"pattern": "a+", "reward": 0.5, "name": "has_a"}},
+        {"class_path": "gpo.rewards.LengthPenalty", "init_args": {"max_tokens": 1}},
+    ]
+    cfg = parser.parse_object({"rewards": config})
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    rewards = instantiate(cfg).rewards
+    assert [fn.__name__ for fn in rewards] == ["exact_match", "has_a", "length_penalty"]
+    assert [fn(["q"], ["aa"], answer=["aa"], completion_ids=[[1, 2]]) for fn in rewards] == [[1.0], [0.5], [-0.01]]
