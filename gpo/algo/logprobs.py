@@ -71,11 +71,13 @@ class _LogitsLogProbs(torch.autograd.Function):
         ctx.save_for_backward(logits, index, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)  # an unused entropy gets no backward work
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, g_logp: Tensor, g_entropy: Tensor | None):
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
         logits, index, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
         grad = torch.empty_like(logits)
         use_entropy = ctx.with_entropy and g_entropy is not None
         for start in range(0, logits.shape[0], ctx.chunk):
@@ -109,11 +111,13 @@ class _LinearLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, index, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, g_logp: Tensor, g_entropy: Tensor | None):
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
         hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None

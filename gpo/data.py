@@ -1,0 +1,153 @@
+"""Prompt datasets from local files and the Lightning DataModule that serves them in batches of prompts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+LongPrompts = Literal["error", "truncate"]
+_FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a local JSONL/JSON/Parquet/CSV file, or of a folder saved with ``datasets``' ``save_to_disk``."""
+    import datasets  # imported here: loading takes a second and only data setup needs it
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {str(path)!r} does not exist; give a .jsonl/.json/.parquet/.csv file.")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ValueError(f"{path} holds splits {list(loaded)}; save the one to train on as 'train'.")
+            loaded = loaded["train"]
+        return loaded.to_list()
+    kind = _FILE_TYPES.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(_FILE_TYPES)}.")
+    return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch of prompts: ``prompt_ids`` and ``prompt`` lists, and every other column under ``fields``."""
+    fields = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt_ids", "prompt")}
+    prompts = {"prompt_ids": [row["prompt_ids"] for row in rows], "prompt": [row["prompt"] for row in rows]}
+    return {**prompts, "fields": fields}
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts for RL: each row's prompt is tokenised once; its other columns go to the reward functions.
+
+    Args:
+        path: training prompts (JSONL/JSON/Parquet/CSV file or a saved ``datasets`` folder).
+        val_path: held-out prompts for evaluation; None splits off ``val_size`` rows of ``path`` instead.
+        val_size: rows of ``path`` held out for evaluation when ``val_path`` is None (0: no evaluation set).
+        tokenizer: tokenizer folder; normally linked to the policy's path.
+        prompt_column: the column holding the prompt text.
+        prompts_per_step: prompts per training step (each gets ``group_size`` completions).
+        max_prompt_length: the longest prompt in tokens.
+        long_prompts: ``error`` refuses a longer prompt (naming its row); ``truncate`` keeps its last
+            ``max_prompt_length`` tokens and logs how many were cut.
+        chat_template: wrap prompts in the tokenizer's chat template as a user turn; None applies it when the
+            tokenizer has one.
+        seed: seed of the shuffle and of the validation split.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        val_path: str | None = None,
+        val_size: int = 0,
+        tokenizer: str | None = None,
+        prompt_column: str = "prompt",
+        prompts_per_step: int = 8,
+        max_prompt_length: int = 512,
+        long_prompts: LongPrompts = "error",
+        chat_template: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step={prompts_per_step} must be >= 1.")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={max_prompt_length} must be >= 1.")
+        if long_prompts not in ("error", "truncate"):
+            raise ValueError(f"long_prompts={long_prompts!r} is not valid; choose 'error' or 'truncate'.")
+        if val_size < 0:
+            raise ValueError(f"val_size={val_size} must be >= 0.")
+        self.path, self.val_path, self.val_size = path, val_path, val_size
+        self.tokenizer_path, self.prompt_column = tokenizer, prompt_column
+        self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
+        self.long_prompts, self.chat_template, self.seed = long_prompts, chat_template, seed
+        self.train_rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows:
+            return
+        if self.tokenizer_path is None:
+            raise ValueError("PromptDataModule needs tokenizer= (the policy's folder; `gpo fit` links it).")
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        rows = self._prepare(load_records(self.path), tokenizer, self.path)
+        if self.val_path is not None:
+            self.train_rows, self.val_rows = rows, self._prepare(load_records(self.val_path), tokenizer, self.val_path)
+        else:
+            if self.val_size >= len(rows):
+                raise ValueError(f"val_size={self.val_size} leaves no training rows out of {len(rows)}.")
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            cut = len(rows) - self.val_size
+            self.train_rows = [rows[i] for i in order[:cut]]
+            self.val_rows = [rows[i] for i in order[cut:]]
+
+    def _prepare(self, records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, source: str) -> list[dict]:
+        if not records:
+            raise ValueError(f"{source} has no rows; a prompt dataset needs at least one.")
+        if self.prompt_column not in records[0]:
+            raise ValueError(
+                f"{source} has no column {self.prompt_column!r} (prompt_column); its columns are: "
+                f"{', '.join(records[0])}."
+            )
+        use_template = self.chat_template if self.chat_template is not None else bool(tokenizer.chat_template)
+        if use_template and not tokenizer.chat_template:
+            raise ValueError("chat_template=True but the tokenizer has no chat template; set chat_template: false.")
+        prepared, cut = [], 0
+        for index, record in enumerate(records):
+            text = record[self.prompt_column]
+            if use_template:
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                )
+                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            else:
+                ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            if len(ids) > self.max_prompt_length:
+                if self.long_prompts == "error":
+                    raise ValueError(
+                        f"{source} row {index}: the prompt is {len(ids)} tokens, over max_prompt_length="
+                        f"{self.max_prompt_length}. Raise max_prompt_length or set long_prompts: truncate."
+                    )
+                ids, cut = ids[-self.max_prompt_length :], cut + 1
+            fields = {k: v for k, v in record.items() if k != self.prompt_column}
+            prepared.append({"prompt_ids": ids, "prompt": text, **fields})
+        if cut:
+            log.warning("%s: %d prompts longer than %d tokens were truncated.", source, cut, self.max_prompt_length)
+        return prepared
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_rows, batch_size=self.prompts_per_step, shuffle=True, generator=generator, collate_fn=collate
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
