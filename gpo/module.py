@@ -6,7 +6,7 @@ import copy
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -27,12 +27,14 @@ from gpo.algo import (
     build_algorithm,
     overlong_filter,
 )
+from gpo.algo.gates import router_logprobs
 from gpo.policy import completion_logprobs
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.rollout.hf import HFEngine
 from gpo.scoring import RewardFn, reward_name, score
 
 OldLogprobs = Literal["rollout", "batch"]
+SUPPLIED_GATE_INPUTS = frozenset({"router_logp", "old_router_logp"})
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,23 @@ class GPOModule(LightningModule):
             raise ValueError(f"group_size={group_size}: group-relative advantages need at least 2 completions.")
         if ppo_clip_ref_logprobs not in ("rollout", "batch"):
             raise ValueError(f"ppo_clip_ref_logprobs={ppo_clip_ref_logprobs!r} is not valid; choose rollout or batch.")
-        preset = build_algorithm(algorithm, knobs or AlgorithmKnobs(group_size=group_size))
+        self.engine = engine or HFEngine()
+        knobs = replace(knobs or AlgorithmKnobs(), group_size=group_size)
+        budget = getattr(getattr(self.engine, "sampling", None), "max_new_tokens", None)
+        if knobs.max_completion_length is None and budget is not None:
+            knobs = replace(knobs, max_completion_length=budget)
+        preset = build_algorithm(algorithm, knobs)
         self.advantage = advantage or preset.advantage
         self.gate = gate or preset.gate
         self.aggregator = aggregator or preset.aggregator
+        unsupported = set(self.gate.requires) - SUPPLIED_GATE_INPUTS
+        if unsupported:
+            raise ValueError(
+                f"gate {type(self.gate).__name__} needs {sorted(unsupported)}, which the trainer does not compute "
+                f"yet (it supplies {sorted(SUPPLIED_GATE_INPUTS)})."
+            )
         self.rewards = list(rewards)
         self.mixer = mixer or WeightedSum()
-        self.engine = engine or HFEngine()
         self.group_size, self.optim = group_size, optim or Optimization()
         self.ppo_clip_ref_logprobs = ppo_clip_ref_logprobs
         self.kl, self.entropy, self.correction = kl, entropy, correction
@@ -237,11 +249,23 @@ class GPOModule(LightningModule):
         )
         return out.logp
 
+    @torch.no_grad()
+    def _router_logp(self, rollout: Rollout) -> Tensor:
+        """The sampling policy's log routing probabilities at the completion positions, ``[L, B, T, E]``."""
+        width = rollout.completion_ids.shape[1]
+        _, router = completion_logprobs(
+            self.policy, rollout.input_ids, rollout.attention_mask, width, output_router_logits=True
+        )
+        if router is None:
+            raise ValueError(f"gate {type(self.gate).__name__} needs router logits; the policy is not a MoE model.")
+        return completion_router_logp(router, len(rollout), width)
+
     def _optimise(self, rollout: Rollout, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
         """``ppo_epochs x number_of_minibatches`` optimiser steps on one rollout; returns averaged diagnostics."""
         single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
         on_policy = single_update and self.ppo_clip_ref_logprobs == "batch"
         old_logp = None if on_policy else self._old_logp(rollout)
+        old_router = self._router_logp(rollout) if "old_router_logp" in self.gate.requires else None
         ref_logp = self._ref_logp(rollout) if self.reference is not None and self.kl.placement == "loss" else None
         optimizer = self.optimizers()
         sums: dict[str, float] = defaultdict(float)
@@ -254,7 +278,8 @@ class GPOModule(LightningModule):
                 normaliser = self.aggregator.normaliser(mask[rows])
                 optimizer.zero_grad()
                 for micro in rows.split(self.optim.micro_batch_size or len(rows)):
-                    loss, metrics = self._micro_loss(rollout, adv, mask, old_logp, ref_logp, micro, normaliser)
+                    olds = (old_logp, ref_logp, old_router)
+                    loss, metrics = self._micro_loss(rollout, adv, mask, olds, micro, normaliser)
                     self.manual_backward(loss)
                     sums["loss"] += float(loss)  # micro-batch losses add up to the minibatch loss
                     for key, value in metrics.items():
@@ -270,15 +295,28 @@ class GPOModule(LightningModule):
                 out[per_update] = sums[per_update] / updates
         return out
 
-    def _micro_loss(self, rollout, adv, mask, old_logp, ref_logp, rows, normaliser) -> tuple[Tensor, dict]:
+    def _micro_loss(self, rollout, adv, mask, olds, rows, normaliser) -> tuple[Tensor, dict]:
+        old_logp, ref_logp, old_router = olds
         width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
         ids = torch.cat([rollout.prompt_ids[rows], rollout.completion_ids[rows, :width]], 1)
         attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows, :width]], 1)
         need_entropy = self.entropy is not None and self.entropy.coef > 0
-        out, _ = completion_logprobs(self.policy, ids, attn, width, temperature=self.temperature, with_entropy=True)
+        out, router = completion_logprobs(
+            self.policy,
+            ids,
+            attn,
+            width,
+            temperature=self.temperature,
+            with_entropy=True,
+            output_router_logits=old_router is not None,
+        )
         logp, m = out.logp, mask[rows, :width]
         old = logp.detach() if old_logp is None else old_logp[rows, :width]
-        per_token, metrics = self.gate(logp, old, adv[rows, :width], m)
+        extras = {}
+        if old_router is not None:
+            extras["router_logp"] = completion_router_logp(router, len(rows), width)
+            extras["old_router_logp"] = old_router[:, rows, :width]
+        per_token, metrics = self.gate(logp, old, adv[rows, :width], m, **extras)
         if ref_logp is not None:
             kl_term, kl_metrics = self.kl.loss_term(logp, ref_logp[rows, :width], m)
             per_token, metrics = per_token + kl_term, {**metrics, **kl_metrics}
@@ -305,3 +343,8 @@ class GPOModule(LightningModule):
         for k, fn in enumerate(self.rewards):
             metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
         return metrics
+
+
+def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, width: int) -> Tensor:
+    """Router log-probs ``[L, B, T, E]`` aligned with the last ``width`` tokens (shifted like the logits)."""
+    return router_logprobs(router_logits, batch_size)[:, :, -width - 1 : -1]

@@ -1,0 +1,47 @@
+"""Every YAML under configs/ parses, instantiates and trains a few steps with the quickstart's tiny model."""
+
+from pathlib import Path
+
+import pytest
+
+from gpo.cli import main
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PRESETS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    dense = save_tiny_model(root / "llama", "llama")
+    moe = save_tiny_model(root / "moe", "qwen2_moe")
+    data = write_jsonl(make_task("sort_digits", 64), root / "train.jsonl")
+    return root, str(dense), str(moe), str(data)
+
+
+def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None):
+    root, dense, _, data = assets
+    args = ["fit", *(f"--config={c}" for c in configs)]
+    args += [f"--model.policy={policy or dense}", f"--data.path={data}", f"--trainer.max_steps={steps}"]
+    args += [f"--trainer.default_root_dir={root / 'runs'}", "--trainer.enable_progress_bar=false"]
+    main(args)
+
+
+def test_there_is_a_config_per_preset():
+    from gpo.algo import ALGORITHMS
+
+    assert {p.stem for p in PRESETS} == set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_config_trains_a_few_steps(assets, preset):
+    policy = assets[2] if preset.stem == "rspo" else None
+    run_fit(assets, CONFIGS / "quickstart.yaml", preset, policy=policy)
+
+
+def test_quickstart_saves_its_resolved_config(assets):
+    run_fit(assets, CONFIGS / "quickstart.yaml", steps=1)
+    saved = sorted((assets[0] / "runs").rglob("config.yaml"))
+    assert saved and "positional_match" in saved[-1].read_text()
