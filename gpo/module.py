@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo import (
     AdvantageEstimator,
@@ -94,6 +94,7 @@ class GPOModule(LightningModule):
         correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights.
         mask_truncated_completions: drop completions without EOS from the loss (DAPO's overlong filtering).
         dtype: dtype the policy is loaded in (``float32``, ``bfloat16``, ``float16``).
+        tokenizer: tokenizer folder or object; default: the policy's folder.
         seed: seeds the rollout sampling of each step (``seed + global_step``).
     """
 
@@ -117,6 +118,7 @@ class GPOModule(LightningModule):
         correction: RolloutCorrection | None = None,
         mask_truncated_completions: bool = False,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -148,9 +150,9 @@ class GPOModule(LightningModule):
         self.ppo_clip_ref_logprobs = ppo_clip_ref_logprobs
         self.kl, self.entropy, self.correction = kl, entropy, correction
         self.mask_truncated_completions, self.seed = mask_truncated_completions, seed
-        self.dtype_name = dtype
         self.policy = self._load_policy(policy, dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(policy) if isinstance(policy, str) else None
+        tokenizer = tokenizer if tokenizer is not None else policy if isinstance(policy, str) else None
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.reference = self._load_reference(policy, dtype) if kl is not None and kl.beta > 0 else None
 
     @staticmethod
@@ -169,7 +171,7 @@ class GPOModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.tokenizer is None:
-            raise ValueError("GPOModule was given a loaded model; set module.tokenizer before fitting.")
+            raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
         self.engine.setup(self.policy, self.tokenizer)
 
     def configure_optimizers(self):

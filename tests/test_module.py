@@ -105,3 +105,20 @@ def test_optimization_settings_are_validated():
         Optimization(number_of_minibatches=0)
     with pytest.raises(ValueError, match="lr=0"):
         Optimization(lr=0)
+
+
+def test_python_api_with_loaded_model_and_tokenizer(workspace):
+    from gpo.testing import char_tokenizer, tiny_model
+
+    module = GPOModule(
+        tiny_model("llama"),
+        [positional_match],
+        tokenizer=char_tokenizer(),
+        group_size=2,
+        engine=HFEngine(max_new_tokens=2),
+    )
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, PromptDataModule(workspace[1], tokenizer=workspace[0], prompts_per_step=2))
+    assert trainer.global_step == 2
+    with pytest.raises(ValueError, match="without a tokenizer"):
+        GPOModule(tiny_model("llama"), [positional_match]).setup("fit")
