@@ -135,13 +135,13 @@ class _LinearLogProbs(torch.autograd.Function):
                 g_logp[rows],
                 g_entropy[rows] if use_entropy else None,
             )
-            g_z = g_z.div_(ctx.temperature).to(weight.dtype)  # [C, V]
+            g_z = g_z.div_(ctx.temperature)  # [C, V] float32
             if need_hidden:
-                grad_hidden[rows] = g_z @ weight
+                grad_hidden[rows] = g_z.to(weight.dtype) @ weight
             if need_weight:
-                grad_weight += (g_z.t() @ h).float()
+                grad_weight.addmm_(g_z.t(), h.float())  # accumulate in place: no weight-sized temporary
             if need_bias:
-                grad_bias += g_z.float().sum(0)
+                grad_bias += g_z.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
