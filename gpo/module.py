@@ -227,27 +227,20 @@ class GPOModule(LightningModule):
             if hook is not None:
                 hook(self.trainer, self, rollout)
 
-    @torch.no_grad()
     def _old_logp(self, rollout: Rollout) -> Tensor:
         if self.ppo_clip_ref_logprobs == "rollout" and rollout.logp is not None:
             return rollout.logp
-        out, _ = completion_logprobs(
-            self.policy,
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.completion_ids.shape[1],
-            temperature=self.temperature,
-        )
-        return out.logp
+        return self._score_tokens(self.policy, rollout)
+
+    def _ref_logp(self, rollout: Rollout) -> Tensor:
+        return self._score_tokens(self.reference, rollout)
 
     @torch.no_grad()
-    def _ref_logp(self, rollout: Rollout) -> Tensor:
+    def _score_tokens(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
+        """``model``'s log-probs ``[B, T]`` of the rollout's completion tokens at the sampling temperature."""
+        width = rollout.completion_ids.shape[1]
         out, _ = completion_logprobs(
-            self.reference,
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.completion_ids.shape[1],
-            temperature=self.temperature,
+            model, rollout.input_ids, rollout.attention_mask, width, temperature=self.temperature
         )
         return out.logp
 

@@ -122,3 +122,27 @@ def test_python_api_with_loaded_model_and_tokenizer(workspace):
     assert trainer.global_step == 2
     with pytest.raises(ValueError, match="without a tokenizer"):
         GPOModule(tiny_model("llama"), [positional_match]).setup("fit")
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
+    from gpo.algo import EntropyBonus, KLPenalty, RolloutCorrection
+
+    model, data = workspace
+    module = GPOModule(
+        model,
+        [positional_match],
+        group_size=4,
+        engine=HFEngine(max_new_tokens=3),
+        optim=Optimization(lr=1e-3, number_of_minibatches=2),
+        kl=KLPenalty(beta=0.1, placement=placement),
+        entropy=EntropyBonus(coef=0.01),
+        correction=RolloutCorrection(mode="tis", cap=2.0),
+        mask_truncated_completions=True,
+    )
+    assert module.reference is not None and not any(p.requires_grad for p in module.reference.parameters())
+    trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+    logged = trainer.callback_metrics
+    assert ("kl/mean" in logged) == (placement == "loss")
+    assert "correction/weight_mean" in logged and torch.isfinite(logged["loss"])
