@@ -7,12 +7,13 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning import LightningModule
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo import (
     AdvantageEstimator,
@@ -25,9 +26,22 @@ from gpo.algo import (
     RolloutCorrection,
     WeightedSum,
     build_algorithm,
+    mismatch_metrics,
     overlong_filter,
 )
 from gpo.algo.gates import router_logprobs
+from gpo.algo.objective import PolicyObjective
+from gpo.export import ExportMode, export_policy
+from gpo.models import (
+    DType,
+    LoraSettings,
+    TrainerMode,
+    adapter_disabled,
+    is_peft,
+    load_policy,
+    training_mode,
+    unwrap,
+)
 from gpo.policy import completion_logprobs
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.rollout.hf import HFEngine
@@ -68,12 +82,31 @@ class Optimization:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be >= 1 (or None).")
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often).
+
+    Each prompt gets one greedy completion and ``samples`` sampled ones, with a fixed seed so evaluations are
+    comparable across the run. Logged: ``val/reward_greedy``, ``val/pass@1_greedy``, ``val/reward_sampled``,
+    ``val/pass@1_sampled``; a completion passes when its reward is at least ``pass_threshold``.
+
+    Args:
+        samples: sampled completions per prompt.
+        pass_threshold: reward at or above which a completion counts as solved.
+        seed: sampling seed of every evaluation.
+    """
+
+    samples: int = 4
+    pass_threshold: float = 1.0
+    seed: int = 1234
+
+
 class GPOModule(LightningModule):
     """Group-based policy optimisation of a transformers causal LM.
 
     Each training step: sample ``group_size`` completions per prompt with the rollout engine, score them with
     the reward functions, mix the scores into one reward, compute advantages, then take
-    ``number_of_minibatches x ppo_epochs`` optimiser steps with the gate and aggregator.
+    ``number_of_minibatches x ppo_epochs`` optimiser steps on the policy objective.
 
     Args:
         policy: folder of a transformers causal LM (``from_pretrained``), or a loaded model.
@@ -89,12 +122,17 @@ class GPOModule(LightningModule):
         optim: learning rate, minibatches, epochs, micro-batching, gradient clipping.
         ppo_clip_ref_logprobs: old-policy log-probs from the ``rollout`` engine, or recomputed by the trainer
             (``batch``) before the first update of the step.
-        kl: KL penalty towards the initial policy (loads a frozen reference copy when ``beta > 0``).
+        kl: KL penalty towards the initial policy (a frozen reference copy, or the LoRA adapter switched off).
         entropy: entropy bonus.
         correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights.
         mask_truncated_completions: drop completions without EOS from the loss (DAPO's overlong filtering).
+        trainer_mode: ``full`` fine-tuning, ``lora`` adapter, or ``qlora`` (4-bit base, needs a GPU).
+        lora: adapter settings for ``lora`` / ``qlora``.
         dtype: dtype the policy is loaded in (``float32``, ``bfloat16``, ``float16``).
         tokenizer: tokenizer folder or object; default: the policy's folder.
+        evaluation: held-out evaluation settings.
+        export: at the end of training save the policy as a transformers folder (``merged``: LoRA merged into
+            the weights; ``adapter``: the adapter alone; ``none``: no export) under ``<log dir>/export``.
         seed: seeds the rollout sampling of each step (``seed + global_step``).
     """
 
@@ -117,73 +155,97 @@ class GPOModule(LightningModule):
         entropy: EntropyBonus | None = None,
         correction: RolloutCorrection | None = None,
         mask_truncated_completions: bool = False,
-        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        trainer_mode: TrainerMode = "full",
+        lora: LoraSettings | None = None,
+        dtype: DType = "float32",
         tokenizer: str | PreTrainedTokenizerBase | None = None,
+        evaluation: Evaluation | None = None,
+        export: ExportMode = "merged",
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self._check_arguments(rewards, group_size, ppo_clip_ref_logprobs, export)
+        self.engine = engine or HFEngine()
+        preset = build_algorithm(algorithm, self._complete_knobs(knobs, group_size))
+        self.advantage = advantage or preset.advantage
+        self.aggregator = aggregator or preset.aggregator
+        self.objective = PolicyObjective(gate or preset.gate, self.aggregator, kl=kl, entropy=entropy)
+        unsupported = set(self.objective.gate.requires) - SUPPLIED_GATE_INPUTS
+        if unsupported:
+            raise ValueError(
+                f"gate {type(self.objective.gate).__name__} needs {sorted(unsupported)}, which the trainer does "
+                f"not compute yet (it supplies {sorted(SUPPLIED_GATE_INPUTS)})."
+            )
+        self.rewards, self.mixer = list(rewards), mixer or WeightedSum()
+        self.group_size, self.optim = group_size, optim or Optimization()
+        self.ppo_clip_ref_logprobs, self.kl, self.correction = ppo_clip_ref_logprobs, kl, correction
+        self.mask_truncated_completions, self.seed = mask_truncated_completions, seed
+        self.evaluation, self.export = evaluation or Evaluation(), export
+        self.policy = (
+            policy
+            if isinstance(policy, torch.nn.Module)
+            else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora)
+        )
+        tokenizer = tokenizer if tokenizer is not None else policy if isinstance(policy, str) else None
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        # The frozen reference is kept out of the module's children: no optimiser, checkpoint or summary sees it.
+        needs_reference = kl is not None and kl.beta > 0 and not is_peft(self.policy)
+        self._reference = (copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval(),) if needs_reference else ()
+
+    @staticmethod
+    def _check_arguments(rewards, group_size: int, old_logprobs: str, export: str) -> None:
         if not rewards:
             raise ValueError("rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
         if group_size < 2:
             raise ValueError(f"group_size={group_size}: group-relative advantages need at least 2 completions.")
-        if ppo_clip_ref_logprobs not in ("rollout", "batch"):
-            raise ValueError(f"ppo_clip_ref_logprobs={ppo_clip_ref_logprobs!r} is not valid; choose rollout or batch.")
-        self.engine = engine or HFEngine()
+        if old_logprobs not in ("rollout", "batch"):
+            raise ValueError(f"ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
+        if export not in ("merged", "adapter", "none"):
+            raise ValueError(f"export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")
+
+    def _complete_knobs(self, knobs: AlgorithmKnobs | None, group_size: int) -> AlgorithmKnobs:
+        """The preset knobs with the module's group size and, unless set, the engine's generation budget."""
         knobs = replace(knobs or AlgorithmKnobs(), group_size=group_size)
         budget = getattr(getattr(self.engine, "sampling", None), "max_new_tokens", None)
         if knobs.max_completion_length is None and budget is not None:
             knobs = replace(knobs, max_completion_length=budget)
-        preset = build_algorithm(algorithm, knobs)
-        self.advantage = advantage or preset.advantage
-        self.gate = gate or preset.gate
-        self.aggregator = aggregator or preset.aggregator
-        unsupported = set(self.gate.requires) - SUPPLIED_GATE_INPUTS
-        if unsupported:
-            raise ValueError(
-                f"gate {type(self.gate).__name__} needs {sorted(unsupported)}, which the trainer does not compute "
-                f"yet (it supplies {sorted(SUPPLIED_GATE_INPUTS)})."
-            )
-        self.rewards = list(rewards)
-        self.mixer = mixer or WeightedSum()
-        self.group_size, self.optim = group_size, optim or Optimization()
-        self.ppo_clip_ref_logprobs = ppo_clip_ref_logprobs
-        self.kl, self.entropy, self.correction = kl, entropy, correction
-        self.mask_truncated_completions, self.seed = mask_truncated_completions, seed
-        self.policy = self._load_policy(policy, dtype)
-        tokenizer = tokenizer if tokenizer is not None else policy if isinstance(policy, str) else None
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.reference = self._load_reference(policy, dtype) if kl is not None and kl.beta > 0 else None
+        return knobs
 
-    @staticmethod
-    def _load_policy(policy: str | PreTrainedModel, dtype: str) -> PreTrainedModel:
-        if isinstance(policy, PreTrainedModel):
-            return policy
-        return AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, dtype))
+    @property
+    def gate(self) -> RatioGate:
+        return self.objective.gate
 
-    @staticmethod
-    def _load_reference(policy: str | PreTrainedModel, dtype: str) -> PreTrainedModel:
-        """A frozen copy of the initial policy (only built when the KL term is on)."""
-        reference = (
-            copy.deepcopy(policy) if isinstance(policy, PreTrainedModel) else GPOModule._load_policy(policy, dtype)
-        )
-        return reference.requires_grad_(False).eval()
+    @property
+    def reference(self) -> PreTrainedModel | None:
+        """The frozen reference copy (full fine-tuning with KL on), else None."""
+        return self._reference[0] if self._reference else None
 
-    def setup(self, stage: str) -> None:
-        if self.tokenizer is None:
-            raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
-        self.engine.setup(self.policy, self.tokenizer)
-
-    def configure_optimizers(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+    @property
+    def model(self) -> PreTrainedModel:
+        """The transformers model that generates and is scored (LoRA layers active in LoRA modes)."""
+        return unwrap(self.policy)
 
     @property
     def temperature(self) -> float:
         sampling = getattr(self.engine, "sampling", None)
         return sampling.temperature if sampling is not None else 1.0
 
-    # ---- one step -----------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
+        self.engine.setup(self.model, self.tokenizer)
+
+    def on_fit_start(self) -> None:
+        self.policy.eval()  # sampling and old/reference log-probs without dropout; see _micro_loss
+        for reference in self._reference:
+            reference.to(self.device)
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+
+    # ---- one training step ------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
@@ -191,10 +253,9 @@ class GPOModule(LightningModule):
         rollout_time = time.perf_counter() - started
         scores = score(self.rewards, rollout).to(self.device)  # [B, K]
         reward = self.mixer(scores, rollout.group)  # [B]
-        if self.kl is not None and self.kl.placement == "reward" and self.reference is not None:
-            reward = reward + self.kl.reward_penalty(
-                self._old_logp(rollout), self._ref_logp(rollout), rollout.completion_mask
-            )
+        if self.kl is not None and self.kl.beta > 0 and self.kl.placement == "reward":
+            mask = rollout.completion_mask
+            reward = reward + self.kl.reward_penalty(self._policy_logp(rollout), self._ref_logp(rollout), mask)
         scoring_time = time.perf_counter() - started - rollout_time
         self._call_rollout_hooks(rollout)
         mask = rollout.completion_mask.float()
@@ -203,80 +264,88 @@ class GPOModule(LightningModule):
         adv = self.advantage(reward, rollout.group, mask)  # [B, T]
         metrics = self._optimise(rollout, adv, mask)
         metrics.update(self._rollout_metrics(rollout, scores, reward, adv, mask))
-        metrics["time/rollout_s"] = rollout_time
-        metrics["time/scoring_s"] = scoring_time
-        metrics["time/training_s"] = time.perf_counter() - started - rollout_time - scoring_time
+        training_time = time.perf_counter() - started - rollout_time - scoring_time
+        metrics.update(_throughput(rollout, rollout_time, scoring_time, training_time))
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
         self.log("reward", float(reward.mean()), prog_bar=True, on_step=True)
 
     def rollout(self, batch: dict[str, Any], *, seed: int | None = None, greedy: bool = False, n: int | None = None):
-        """Sample completions for a batch of prompts and attach texts and dataset fields."""
+        """Sample ``n`` completions (default ``group_size``) per prompt; attach texts and dataset fields."""
         n = n or self.group_size
         rollout = self.engine.generate(batch["prompt_ids"], n, seed=seed, greedy=greedy).to(self.device)
         rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rollout.completions = self.tokenizer.batch_decode(
-            rollout.completion_ids.masked_fill(rollout.completion_mask == 0, self.tokenizer.pad_token_id or 0),
-            skip_special_tokens=True,
+            rollout.completion_ids.masked_fill(rollout.completion_mask == 0, pad), skip_special_tokens=True
         )
         rollout.fields = {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
         return rollout
 
     def _call_rollout_hooks(self, rollout: Rollout) -> None:
+        """Give callbacks that define ``on_rollout_end(trainer, module, rollout)`` the scored rollout."""
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_rollout_end", None)
             if hook is not None:
                 hook(self.trainer, self, rollout)
 
-    def _old_logp(self, rollout: Rollout) -> Tensor:
-        if self.ppo_clip_ref_logprobs == "rollout" and rollout.logp is not None:
-            return rollout.logp
-        return self._score_tokens(self.policy, rollout)
+    def _policy_logp(self, rollout: Rollout) -> Tensor:
+        return self._score_tokens(self.model, rollout)
 
     def _ref_logp(self, rollout: Rollout) -> Tensor:
-        return self._score_tokens(self.reference, rollout)
+        if self._reference:
+            return self._score_tokens(self._reference[0], rollout)
+        with adapter_disabled(self.policy) as reference:
+            return self._score_tokens(reference, rollout)
 
     @torch.no_grad()
     def _score_tokens(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
         """``model``'s log-probs ``[B, T]`` of the rollout's completion tokens at the sampling temperature."""
         width = rollout.completion_ids.shape[1]
-        out, _ = completion_logprobs(
-            model, rollout.input_ids, rollout.attention_mask, width, temperature=self.temperature
-        )
-        return out.logp
+        ids, attn = rollout.input_ids, rollout.attention_mask
+        return completion_logprobs(model, ids, attn, width, temperature=self.temperature)[0].logp
 
     @torch.no_grad()
     def _router_logp(self, rollout: Rollout) -> Tensor:
         """The sampling policy's log routing probabilities at the completion positions, ``[L, B, T, E]``."""
         width = rollout.completion_ids.shape[1]
         _, router = completion_logprobs(
-            self.policy, rollout.input_ids, rollout.attention_mask, width, output_router_logits=True
+            self.model, rollout.input_ids, rollout.attention_mask, width, output_router_logits=True
         )
         if router is None:
             raise ValueError(f"gate {type(self.gate).__name__} needs router logits; the policy is not a MoE model.")
         return completion_router_logp(router, len(rollout), width)
 
+    def _step_inputs(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor | None], dict[str, Tensor]]:
+        """Everything the updates of this step need that does not change while the policy moves."""
+        single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
+        use_rollout = self.ppo_clip_ref_logprobs == "rollout" and rollout.logp is not None
+        need_train_old = self.correction is not None or not (use_rollout or single_update)
+        train_old = self._policy_logp(rollout) if need_train_old else None
+        inputs = {"old_logp": rollout.logp if use_rollout else train_old, "weight": None}
+        metrics = {}
+        if train_old is not None and rollout.logp is not None:
+            metrics = mismatch_metrics(train_old, rollout.logp, mask)
+            if self.correction is not None:
+                inputs["weight"], metrics = self.correction(train_old, rollout.logp, mask)
+        inputs["ref_logp"] = self._ref_logp(rollout) if self.objective.kl is not None else None
+        inputs["old_router_logp"] = self._router_logp(rollout) if "old_router_logp" in self.gate.requires else None
+        return inputs, metrics
+
     def _optimise(self, rollout: Rollout, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
         """``ppo_epochs x number_of_minibatches`` optimiser steps on one rollout; returns averaged diagnostics."""
-        single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
-        on_policy = single_update and self.ppo_clip_ref_logprobs == "batch"
-        old_logp = None if on_policy else self._old_logp(rollout)
-        old_router = self._router_logp(rollout) if "old_router_logp" in self.gate.requires else None
-        ref_logp = self._ref_logp(rollout) if self.reference is not None and self.kl.placement == "loss" else None
+        inputs, step_metrics = self._step_inputs(rollout, mask)
         optimizer = self.optimizers()
         sums: dict[str, float] = defaultdict(float)
         updates = 0
         for _ in range(self.optim.ppo_epochs):
-            order = (
-                torch.randperm(len(rollout), device=self.device) if not single_update else torch.arange(len(rollout))
-            )
-            for rows in order.chunk(self.optim.number_of_minibatches):
+            order = torch.randperm(len(rollout)) if updates else torch.arange(len(rollout))
+            for rows in order.to(self.device).chunk(self.optim.number_of_minibatches):
                 normaliser = self.aggregator.normaliser(mask[rows])
                 optimizer.zero_grad()
                 for micro in rows.split(self.optim.micro_batch_size or len(rows)):
-                    olds = (old_logp, ref_logp, old_router)
-                    loss, metrics = self._micro_loss(rollout, adv, mask, olds, micro, normaliser)
+                    loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
                     self.manual_backward(loss)
-                    sums["loss"] += float(loss)  # micro-batch losses add up to the minibatch loss
+                    sums["loss"] += float(loss.detach())  # micro-batch losses add up to the minibatch loss
                     for key, value in metrics.items():
                         sums[key] += float(value) * len(micro) / len(rollout)
                 if self.optim.max_grad_norm is not None:
@@ -288,41 +357,30 @@ class GPOModule(LightningModule):
         for per_update in ("loss", "grad/norm"):
             if per_update in sums:
                 out[per_update] = sums[per_update] / updates
-        return out
+        return {**out, **step_metrics}
 
-    def _micro_loss(self, rollout, adv, mask, olds, rows, normaliser) -> tuple[Tensor, dict]:
-        old_logp, ref_logp, old_router = olds
+    def _micro_loss(self, rollout, adv, mask, inputs, rows, normaliser) -> tuple[Tensor, dict]:
         width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
         ids = torch.cat([rollout.prompt_ids[rows], rollout.completion_ids[rows, :width]], 1)
         attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows, :width]], 1)
-        need_entropy = self.entropy is not None and self.entropy.coef > 0
-        out, router = completion_logprobs(
-            self.policy,
-            ids,
-            attn,
-            width,
-            temperature=self.temperature,
-            with_entropy=True,
-            output_router_logits=old_router is not None,
-        )
-        logp, m = out.logp, mask[rows, :width]
-        old = logp.detach() if old_logp is None else old_logp[rows, :width]
-        extras = {}
+        old_router = inputs["old_router_logp"]
+        with training_mode(self.model, True):  # dropout, if any, only in the gradient pass
+            out, router = completion_logprobs(
+                self.model, ids, attn, width, temperature=self.temperature, with_entropy=True,
+                output_router_logits=old_router is not None,
+            )  # fmt: skip
+        gate_inputs = {}
         if old_router is not None:
-            extras["router_logp"] = completion_router_logp(router, len(rows), width)
-            extras["old_router_logp"] = old_router[:, rows, :width]
-        per_token, metrics = self.gate(logp, old, adv[rows, :width], m, **extras)
-        if ref_logp is not None:
-            kl_term, kl_metrics = self.kl.loss_term(logp, ref_logp[rows, :width], m)
-            per_token, metrics = per_token + kl_term, {**metrics, **kl_metrics}
-        if need_entropy:
-            per_token = per_token + self.entropy.loss_term(out.entropy, m)
-        if self.correction is not None and rollout.logp is not None and old_logp is not None:
-            weight, corr_metrics = self.correction(old, rollout.logp[rows, :width], m)
-            per_token, metrics = per_token * weight, {**metrics, **corr_metrics}
-        loss = self.aggregator(per_token, m, normaliser)
-        metrics["entropy"] = (out.entropy.detach() * m).sum() / m.sum().clamp_min(1)
-        return loss, metrics
+            gate_inputs = {
+                "router_logp": completion_router_logp(router, len(rows), width),
+                "old_router_logp": old_router[:, rows, :width],
+            }
+        sliced = {k: inputs[k][rows, :width] if inputs[k] is not None else None for k in ("ref_logp", "weight")}
+        old = inputs["old_logp"][rows, :width] if inputs["old_logp"] is not None else out.logp.detach()
+        return self.objective(
+            out.logp, old, adv[rows, :width], mask[rows, :width], normaliser,
+            entropy=out.entropy, **sliced, **gate_inputs,
+        )  # fmt: skip
 
     def _rollout_metrics(self, rollout, scores, reward, adv, mask) -> dict[str, Tensor]:
         lengths = rollout.lengths.float()
@@ -339,7 +397,35 @@ class GPOModule(LightningModule):
             metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
         return metrics
 
+    # ---- evaluation and export --------------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        e = self.evaluation
+        for kind, n, greedy in (("greedy", 1, True), ("sampled", e.samples, False)):
+            rollout = self.rollout(batch, seed=e.seed + batch_idx, greedy=greedy, n=n)
+            reward = self.mixer(score(self.rewards, rollout).to(self.device), rollout.group)
+            size = len(batch["prompt"])
+            self.log(f"val/reward_{kind}", reward.mean(), batch_size=size, prog_bar=kind == "greedy")
+            self.log(f"val/pass@1_{kind}", (reward >= e.pass_threshold).float().mean(), batch_size=size)
+
+    def on_train_end(self) -> None:
+        if self.export != "none" and self.trainer.is_global_zero:
+            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "export"
+            export_policy(self.policy, self.tokenizer, folder, merge=self.export == "merged")
+
 
 def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, width: int) -> Tensor:
     """Router log-probs ``[L, B, T, E]`` aligned with the last ``width`` tokens (shifted like the logits)."""
     return router_logprobs(router_logits, batch_size)[:, :, -width - 1 : -1]
+
+
+def _throughput(rollout: Rollout, rollout_s: float, scoring_s: float, training_s: float) -> dict[str, float]:
+    generated = float(rollout.completion_mask.sum())
+    processed = float(rollout.attention_mask.sum())
+    return {
+        "time/rollout_s": rollout_s,
+        "time/scoring_s": scoring_s,
+        "time/training_s": training_s,
+        "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+        "throughput/training_tokens_per_s": processed / max(training_s, 1e-9),
+    }

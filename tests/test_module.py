@@ -141,6 +141,8 @@ def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
         mask_truncated_completions=True,
     )
     assert module.reference is not None and not any(p.requires_grad for p in module.reference.parameters())
+    n_policy = sum(1 for _ in module.policy.parameters())
+    assert sum(1 for _ in module.parameters()) == n_policy  # the reference is not trained, saved or summarised
     trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
     logged = trainer.callback_metrics

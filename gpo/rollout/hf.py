@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gpo.models import training_mode
 from gpo.policy import completion_logprobs
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
@@ -84,7 +85,7 @@ class HFEngine(RolloutEngine):
         group = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # [B]
         step = self.batch_size or ids.shape[0]
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else None
-        with rng or contextlib.nullcontext(), _eval_mode(self.policy):
+        with rng or contextlib.nullcontext(), training_mode(self.policy, False):
             if seed is not None:
                 torch.manual_seed(seed)
             chunks = [self._sample(ids[i : i + step], mask[i : i + step], greedy) for i in range(0, len(ids), step)]
@@ -127,13 +128,3 @@ def _right_pad(chunks: list[Tensor], pad_id: int) -> Tensor:
     width = max(c.shape[1] for c in chunks)
     padded = [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks]
     return torch.cat(padded, 0)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: PreTrainedModel):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
