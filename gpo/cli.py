@@ -1,21 +1,40 @@
-"""The ``gpo`` command: ``gpo fit --config configs/grpo.yaml`` (LightningCLI) and ``gpo tiny`` (local test assets)."""
+"""The ``gpo`` command: ``gpo fit --config configs/grpo.yaml`` (LightningCLI), ``gpo tiny`` (local test assets) and
+``gpo plot RUN_DIR`` (reward and length curves)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from gpo.data import PromptDataModule
 from gpo.module import GPOModule
 
 
 class GPOCLI(LightningCLI):
-    """LightningCLI whose data module reads the policy's tokenizer unless told otherwise."""
+    """LightningCLI whose data module reads the policy's tokenizer unless told otherwise, and which logs to CSV and
+    TensorBoard under ``trainer.default_root_dir`` unless ``--trainer.logger`` says otherwise."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.policy", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs):
+        # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
+        trainer = {**self._get(self.config_init, "trainer", default={})}
+        if trainer.get("logger") in (None, True) and "logger" not in kwargs:
+            kwargs["logger"] = default_loggers(trainer.get("default_root_dir") or os.getcwd())
+        return super().instantiate_trainer(**kwargs)
+
+
+def default_loggers(root: str) -> list[Logger]:
+    """CSV and TensorBoard loggers sharing ``<root>/lightning_logs/version_N/`` (TensorBoard's files in ``tb/``).
+
+    The CSV logger comes first, so the saved ``config.yaml`` lands next to ``metrics.csv``."""
+    csv = CSVLogger(root)
+    return [csv, TensorBoardLogger(root, version=csv.version, sub_dir="tb", default_hp_metric=False)]
 
 
 def make_tiny(argv: list[str]) -> None:
@@ -36,12 +55,36 @@ def make_tiny(argv: list[str]) -> None:
     print(f"wrote {model}, {args.out}/train.jsonl and {args.out}/val.jsonl")
 
 
+def plot_curves(argv: list[str]) -> None:
+    """``gpo plot RUN_DIR``: plot a run's reward and completion-length curves from its metrics.csv into a PNG."""
+    from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run
+
+    parser = argparse.ArgumentParser(prog="gpo plot", description=plot_curves.__doc__)
+    parser.add_argument("run_dir", help="a version_N folder, its lightning_logs folder or trainer.default_root_dir")
+    parser.add_argument("--out", help="PNG to write (default: RUN_DIR/curves.png)")
+    parser.add_argument("--metrics", nargs="+", help="columns to plot (default: reward/* and completion/len_*)")
+    parser.add_argument("--window", type=int, default=5, help="moving-average width in logged points (1: raw only)")
+    args = parser.parse_args(argv)
+    try:
+        metrics_csv = find_metrics_csv(args.run_dir)
+        out = plot_run(metrics_csv, args.out or os.path.join(args.run_dir, "curves.png"), args.metrics, args.window)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"gpo plot: error: {err}\n")
+    runs = len(metrics_csv_candidates(args.run_dir))
+    print(f"read {metrics_csv}" + (f" (the newest of {runs} runs)" if runs > 1 else ""))
+    print(f"wrote {out}")
+
+
+COMMANDS = {"tiny": make_tiny, "plot": plot_curves}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point; ``argv`` defaults to the command line."""
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["tiny"]:
-        make_tiny((sys.argv[1:] if argv is None else argv)[1:])
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] and args[0] in COMMANDS:
+        COMMANDS[args[0]](args[1:])
         return
-    GPOCLI(GPOModule, PromptDataModule, args=argv, save_config_kwargs={"overwrite": True})
+    GPOCLI(GPOModule, PromptDataModule, args=argv, save_config_kwargs={"overwrite": True})  # None: Lightning reads argv
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def sample_logp(model, ids):
 
 
 def test_lora_trains_only_the_adapter_and_uses_it_as_reference_switch(workspace):
-    root, model, _ = workspace
+    _, model, _ = workspace
     module = GPOModule(
         model,
         [positional_match],
@@ -114,7 +114,7 @@ def test_merged_lora_export_is_a_plain_model_folder(workspace, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_qlora_is_refused_on_cpu_with_the_alternative():
-    with pytest.raises(ValueError, match="trainer_mode='qlora' needs a CUDA GPU.*trainer_mode='lora'"):
+    with pytest.raises(ValueError, match=r"trainer_mode='qlora' needs a CUDA GPU.*trainer_mode='lora'"):
         check_trainer_mode("qlora")
     with pytest.raises(ValueError, match="'full', 'lora' or 'qlora'"):
         check_trainer_mode("adapter")

@@ -1,0 +1,58 @@
+"""``gpo fit`` logs to CSV and TensorBoard by default, and ``gpo plot`` draws the run it wrote."""
+
+from pathlib import Path
+
+import pytest
+
+from gpo.cli import main
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs/quickstart.yaml"
+
+
+def fit(root: Path, out: str, *extra: str) -> Path:
+    args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
+    args += ["--trainer.max_steps=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
+    main([*args, f"--trainer.default_root_dir={root / out}", *extra])
+    return root / out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    save_tiny_model(root / "model", "llama")
+    write_jsonl(make_task("sort_digits", 32), root / "train.jsonl")
+    return root
+
+
+@pytest.fixture(scope="module")
+def run_dir(root):
+    return fit(root, "run")
+
+
+def test_fit_logs_csv_and_tensorboard_by_default(run_dir):
+    version = run_dir / "lightning_logs/version_0"
+    assert "reward/mean" in (version / "metrics.csv").read_text()
+    assert list((version / "tb").glob("events.out.tfevents.*"))
+    assert (version / "config.yaml").is_file()
+
+
+def test_plot_draws_the_run(run_dir, capsys):
+    main(["plot", str(run_dir)])
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert "lightning_logs/version_0/metrics.csv" in capsys.readouterr().out
+
+
+def test_plot_error_is_one_clear_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plot", str(tmp_path)])
+    assert exit_.value.code == 2 and "gpo plot: error: no metrics.csv found" in capsys.readouterr().err
+
+
+def test_a_logger_the_user_sets_replaces_the_defaults(root):
+    logger = ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root / 'own'}"]
+    own = fit(root, "own", *logger)
+    assert (own / "lightning_logs/version_0/metrics.csv").is_file()
+    assert not list(own.rglob("events.out.tfevents.*"))
+    assert not list(fit(root, "none", "--trainer.logger=false").rglob("metrics.csv"))
