@@ -1,5 +1,5 @@
 """The ``gpo`` command: ``gpo fit --config configs/grpo.yaml`` (LightningCLI), ``gpo tiny`` (local test assets) and
-``gpo plot RUN_DIR`` (reward and length curves)."""
+``gpo plot RUN_DIR`` (reward and length curves) and ``gpo export CONFIG CKPT OUT`` (checkpoint to transformers)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,25 @@ def plot_curves(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
-COMMANDS = {"tiny": make_tiny, "plot": plot_curves}
+def export_checkpoint_command(argv: list[str]) -> None:
+    """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
+    from gpo.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
+    parser.add_argument("config", help="the run's saved config.yaml")
+    parser.add_argument("checkpoint", help="a .ckpt file of that run")
+    parser.add_argument("out", help="folder to write the model and tokenizer into")
+    parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
+    parser.add_argument("--policy", help="base model folder, if the config's model.policy path is not valid here")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"gpo export: error: {err}\n")
+    print(f"wrote {out}")
+
+
+COMMANDS = {"tiny": make_tiny, "plot": plot_curves, "export": export_checkpoint_command}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,3 +40,36 @@ def export_policy(
     else:
         partial.rename(folder)
     return folder
+
+
+def export_checkpoint(
+    config: str | Path, checkpoint: str | Path, folder: str | Path, *, merge: bool = True, policy: str | None = None
+) -> Path:
+    """Export the policy of a Lightning checkpoint of a ``gpo fit`` run as a transformers folder.
+
+    ``config`` is the run's saved ``config.yaml`` (it says which base model, trainer mode and LoRA settings
+    to rebuild); ``policy`` overrides its ``model.policy`` path, e.g. when the run was started elsewhere.
+    """
+    import torch
+    import yaml
+    from transformers import AutoTokenizer
+
+    from gpo.models import LoraSettings, load_policy
+
+    settings = yaml.safe_load(Path(config).read_text())["model"]
+    path = policy or settings["policy"]
+    if not Path(path).exists():
+        raise FileNotFoundError(f"the run's base model {path!r} does not exist here; pass the folder as --policy.")
+    lora = LoraSettings(**settings["lora"]) if settings.get("lora") else None
+    model = load_policy(
+        path, dtype=settings.get("dtype", "float32"), mode=settings.get("trainer_mode", "full"), lora=lora
+    )
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    weights = {key.removeprefix("policy."): value for key, value in state.items() if key.startswith("policy.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise ValueError(
+            f"{checkpoint} does not match the model in {config}: missing {missing}, unexpected {unexpected}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer") or path)
+    return export_policy(model, tokenizer, folder, merge=merge)

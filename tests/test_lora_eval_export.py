@@ -118,3 +118,26 @@ def test_qlora_is_refused_on_cpu_with_the_alternative():
         check_trainer_mode("qlora")
     with pytest.raises(ValueError, match="'full', 'lora' or 'qlora'"):
         check_trainer_mode("adapter")
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, mode):
+    from gpo.cli import main
+
+    model = save_tiny_model(tmp_path / "model", "llama")
+    data = write_jsonl(make_task("sort_digits", 64), tmp_path / "train.jsonl")
+    lora = ["--model.trainer_mode=lora", "--model.lora.r=2", "--model.lora.dropout=0.0"] if mode == "lora" else []
+    run = ["--model.group_size=2", "--model.optim.lr=0.01", "--trainer.max_steps=3", f"--data.path={data}"]
+    where = [f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.enable_progress_bar=false"]
+    main(["fit", f"--model.policy={model}", "--model.rewards=[gpo.rewards.positional_match]", *run, *where, *lora])
+    version = tmp_path / "run" / "lightning_logs" / "version_0"
+    (checkpoint,) = (version / "checkpoints").glob("*.ckpt")
+    main(["export", str(version / "config.yaml"), str(checkpoint), str(tmp_path / "exported")])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    at_end = AutoModelForCausalLM.from_pretrained(version / "export")  # written by the run itself
+    torch.testing.assert_close(sample_logp(exported, ids), sample_logp(at_end, ids))
+    trained = not torch.allclose(
+        sample_logp(exported, ids), sample_logp(AutoModelForCausalLM.from_pretrained(model), ids)
+    )
+    assert trained
