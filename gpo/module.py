@@ -237,7 +237,7 @@ class GPOModule(LightningModule):
         self.engine.setup(self.model, self.tokenizer)
 
     def on_fit_start(self) -> None:
-        self.policy.eval()  # sampling and old/reference log-probs without dropout; see _micro_loss
+        # Dropout (if any) acts only in the gradient pass: sampling and scoring run in eval mode (see training_mode).
         for reference in self._reference:
             reference.to(self.device)
 
@@ -272,7 +272,9 @@ class GPOModule(LightningModule):
     def rollout(self, batch: dict[str, Any], *, seed: int | None = None, greedy: bool = False, n: int | None = None):
         """Sample ``n`` completions (default ``group_size``) per prompt; attach texts and dataset fields."""
         n = n or self.group_size
-        rollout = self.engine.generate(batch["prompt_ids"], n, seed=seed, greedy=greedy).to(self.device)
+        logprobs = self.training and (self.ppo_clip_ref_logprobs == "rollout" or self.correction is not None)
+        generated = self.engine.generate(batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs)
+        rollout = generated.to(self.device)
         rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rollout.completions = self.tokenizer.batch_decode(
@@ -302,15 +304,17 @@ class GPOModule(LightningModule):
         """``model``'s log-probs ``[B, T]`` of the rollout's completion tokens at the sampling temperature."""
         width = rollout.completion_ids.shape[1]
         ids, attn = rollout.input_ids, rollout.attention_mask
-        return completion_logprobs(model, ids, attn, width, temperature=self.temperature)[0].logp
+        with training_mode(model, False):
+            return completion_logprobs(model, ids, attn, width, temperature=self.temperature)[0].logp
 
     @torch.no_grad()
     def _router_logp(self, rollout: Rollout) -> Tensor:
         """The sampling policy's log routing probabilities at the completion positions, ``[L, B, T, E]``."""
         width = rollout.completion_ids.shape[1]
-        _, router = completion_logprobs(
-            self.model, rollout.input_ids, rollout.attention_mask, width, output_router_logits=True
-        )
+        with training_mode(self.model, False):
+            _, router = completion_logprobs(
+                self.model, rollout.input_ids, rollout.attention_mask, width, output_router_logits=True
+            )
         if router is None:
             raise ValueError(f"gate {type(self.gate).__name__} needs router logits; the policy is not a MoE model.")
         return completion_router_logp(router, len(rollout), width)

@@ -35,8 +35,9 @@ def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor
 class HFEngine(RolloutEngine):
     """Sampling with ``model.generate`` (KV cache, EOS stopping), log-probs from one extra forward pass.
 
-    The sampled tokens' log-probs are recomputed by the same memory-lean path the trainer uses, at the sampling
-    temperature, so they equal the trainer's old-policy log-probs up to kernel nondeterminism.
+    The sampled tokens' log-probs (when asked for) come from one extra forward pass through the same memory-lean
+    path the trainer uses, at the sampling temperature, so they equal the trainer's old-policy log-probs up to
+    kernel nondeterminism.
 
     Args:
         temperature: sampling temperature (> 0).
@@ -75,7 +76,13 @@ class HFEngine(RolloutEngine):
         return self.eos_id if pad is None else pad
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int, *, greedy: bool = False, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        logprobs: bool = True,
     ) -> Rollout:
         if self.policy is None:
             raise RuntimeError("HFEngine.generate called before setup(policy, tokenizer).")
@@ -92,7 +99,7 @@ class HFEngine(RolloutEngine):
         completion = _right_pad([c for c in chunks], self.pad_id)  # [B, T]
         completion_mask_, truncated = completion_mask(completion, self.eos_id)
         completion = completion.masked_fill(completion_mask_ == 0, self.pad_id)
-        logp = self._logprobs(ids, mask, completion, completion_mask_)
+        logp = self._logprobs(ids, mask, completion, completion_mask_) if logprobs else None
         return Rollout(ids, mask, completion, completion_mask_, truncated, group, logp=logp)
 
     def _sample(self, ids: Tensor, mask: Tensor, greedy: bool) -> Tensor:

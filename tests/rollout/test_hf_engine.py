@@ -107,3 +107,10 @@ def test_sampling_settings_are_validated():
         HFEngine(top_p=1.5)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         HFEngine(max_new_tokens=0)
+
+
+def test_logprobs_are_skipped_when_not_asked_for(policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    e = engine(policy_and_tokenizer, max_new_tokens=3)
+    assert e.generate([tok("ab").input_ids], n=2, seed=0, logprobs=False).logp is None
+    assert e.generate([tok("ab").input_ids], n=2, seed=0).logp is not None
