@@ -1,0 +1,369 @@
+"""Step time of ``GPOModule`` split into rollout / scoring / training, against the bare work on the same tokens.
+
+Workload (all sizes are flags): a tiny random llama built locally by ``gpo.testing.save_tiny_model`` (hidden 256,
+4 layers, character vocabulary), ``sort_digits`` prompts from ``gpo.tasks``, ``prompts_per_step`` prompts x
+``group_size`` completions per step, ``max_new_tokens`` sampled at temperature 1 (no top-p/top-k), the ``grpo``
+preset with one optimiser step per rollout batch and old log-probs recomputed by the trainer
+(``ppo_clip_ref_logprobs="batch"``: on-policy, so they are the current ones, detached), AdamW, float32, the
+``positional_match`` reward. A Lightning ``Trainer`` (logger, checkpoints and progress bar off) runs
+``warmup + steps`` steps; the ``steps`` after the warm-up are measured.
+
+Measured per step:
+
+* ``rollout``, ``scoring``, ``training``: the split ``GPOModule`` logs itself (``time/rollout_s``, ...).
+  Inside the rollout, ``generate`` and the sampler's log-prob pass (run only when the trainer reads rollout
+  log-probs; not in this workload) are timed separately by wrapping the ``HFEngine`` instance's methods.
+* ``step``: wall time from the end of one training batch to the end of the next, so Lightning's loop, data
+  loading and logging are included.
+* rollout tokens/s: generated completion tokens (up to and including EOS) per second of rollout time.
+* training tokens/s: prompt + completion tokens (attention-mask ones) per second of training time.
+
+The bare work runs on a fresh copy of the initial model, outside gpo and Lightning, right after each gpo step
+(outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the
+step's prompts (already repeated ``group_size`` times) with the same sampling settings, plus one
+``model(input_ids, attention_mask).logits -> log_softmax -> gather -> loss -> backward -> AdamW step`` on the
+exact token tensors gpo trained on. Its warm-up is gpo's warm-up steps. Overhead = gpo step time / (bare
+generate + bare train).
+
+Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
+
+    python benchmarks/step_time.py
+    python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
+
+See ``--help`` for the sizes, steps and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import logging
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+import transformers
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
+from gpo.data import PromptDataModule
+from gpo.module import GPOModule, Optimization
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+
+@dataclass
+class Step:
+    """One training step: gpo's timings and the token tensors it generated and trained on."""
+
+    wall_s: float
+    rollout_s: float
+    scoring_s: float
+    training_s: float
+    generate_s: float
+    sampler_logp_s: float
+    prompt_ids: Tensor  # [B, P]
+    prompt_mask: Tensor  # [B, P]
+    completion_ids: Tensor  # [B, T]
+    completion_mask: Tensor  # [B, T]
+    bare_generate_s: float = float("nan")
+    bare_train_s: float = float("nan")
+    bare_width: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    @property
+    def train_inputs(self) -> tuple[Tensor, Tensor, int]:
+        """``ids``, ``attention_mask`` and completion width exactly as ``GPOModule._micro_loss`` builds them."""
+        width = int(self.completion_mask.sum(-1).max().clamp_min(1))
+        ids = torch.cat([self.prompt_ids, self.completion_ids[:, :width]], 1)
+        mask = torch.cat([self.prompt_mask, self.completion_mask[:, :width]], 1)
+        return ids, mask, width
+
+    @property
+    def train_tokens(self) -> int:
+        return int(self.train_inputs[1].sum())
+
+
+class BareWork:
+    """The same work without gpo or Lightning, on a fresh copy of the initial model."""
+
+    def __init__(self, model_path: str, args: argparse.Namespace) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.max_new_tokens = args.max_new_tokens
+
+    def generate(self, step: Step, seed: int) -> tuple[float, int]:
+        """One ``generate`` call on the step's prompts (already ``group_size`` rows each): seconds, decode steps."""
+        self.model.eval()
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        out = self.model.generate(
+            input_ids=step.prompt_ids,
+            attention_mask=step.prompt_mask,
+            max_new_tokens=self.max_new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
+
+    def train(self, step: Step) -> float:
+        """Forward, log-softmax, gather, a policy-gradient loss, backward and an AdamW step on gpo's tensors."""
+        self.model.train()
+        ids, mask, width = step.train_inputs
+        targets, weights = ids[:, -width:], mask[:, -width:].float()
+        advantages = torch.randn(ids.shape[0], 1)
+        started = time.perf_counter()
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+        loss = -((logp * advantages * weights).sum(-1) / weights.sum(-1).clamp_min(1)).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+
+class StepRecorder(L.Callback):
+    """Collects a ``Step`` per training batch and, between gpo's steps, replays it with the bare work.
+
+    Interleaving puts gpo and the bare work under the same machine load. With ``profile`` the steps after the
+    warm-up run under cProfile instead (and no bare work is done).
+    """
+
+    def __init__(self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool) -> None:
+        self.steps: list[Step] = []
+        self.bare, self.warmup, self.seed = bare, warmup, seed
+        self.profiler = cProfile.Profile() if profile else None
+        self.last_end: float | None = None
+        self.rollout = None
+        self.engine_times = {"generate": 0.0, "sampler_logp": 0.0}
+        for method, key in (("_sample", "generate"), ("_logprobs", "sampler_logp")):
+            setattr(engine, method, self._timed(getattr(engine, method), key))
+
+    def _timed(self, fn, key):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.engine_times[key] += time.perf_counter() - started
+
+        return wrapper
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.engine_times = dict.fromkeys(self.engine_times, 0.0)
+        if self.profiler is not None and batch_idx == self.warmup:
+            self.profiler.enable()
+
+    def on_rollout_end(self, trainer, pl_module, rollout) -> None:  # called by GPOModule after scoring
+        self.rollout = rollout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        logged, r = trainer.callback_metrics, self.rollout
+        step = Step(
+            wall_s=now - self.last_end if self.last_end is not None else float("nan"),
+            rollout_s=float(logged["time/rollout_s"]),
+            scoring_s=float(logged["time/scoring_s"]),
+            training_s=float(logged["time/training_s"]),
+            generate_s=self.engine_times["generate"],
+            sampler_logp_s=self.engine_times["sampler_logp"],
+            prompt_ids=r.prompt_ids.clone(),
+            prompt_mask=r.prompt_mask.clone(),
+            completion_ids=r.completion_ids.clone(),
+            completion_mask=r.completion_mask.clone(),
+        )
+        if self.bare is not None:
+            step.bare_generate_s, step.bare_width = self.bare.generate(step, seed=self.seed + batch_idx)
+            step.bare_train_s = self.bare.train(step)
+        self.steps.append(step)
+        if self.profiler is not None and trainer.global_step >= trainer.max_steps:
+            self.profiler.disable()  # the last measured step is done (global_step counts optimiser steps)
+        self.last_end = time.perf_counter()  # the bookkeeping above is ours, not gpo's: start the next step here
+
+
+def make_workspace(root: Path, args: argparse.Namespace) -> tuple[str, str]:
+    model = save_tiny_model(root / "model", "llama", seed=0, hidden_size=args.hidden_size, num_layers=args.num_layers)
+    data = write_jsonl(make_task("sort_digits", 4096, seed=0), root / "train.jsonl")
+    return str(model), str(data)
+
+
+def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespace) -> list[Step]:
+    """``warmup + steps`` GPOModule training steps; returns the measured ones."""
+    L.seed_everything(args.seed, verbose=False)
+    engine = HFEngine(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    module = GPOModule(
+        model_path,
+        [positional_match],
+        algorithm="grpo",
+        engine=engine,
+        group_size=args.group_size,
+        optim=Optimization(lr=args.lr),
+        ppo_clip_ref_logprobs="batch",  # on-policy: old log-probs = the current ones, detached (as TRL does)
+        seed=args.seed,
+    )
+    profile = args.profile is not None
+    bare = None if profile else BareWork(model_path, args)
+    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=root,  # anything the module writes at the end stays in the temporary folder
+        max_steps=args.warmup + args.steps,  # one optimiser step per rollout batch here
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, PromptDataModule(data_path, tokenizer=model_path, prompts_per_step=args.prompts_per_step))
+    if recorder.profiler is not None:
+        print_profile(recorder.profiler, args.profile)
+    return recorder.steps[args.warmup :]
+
+
+def print_profile(profiler: cProfile.Profile, top: int) -> None:
+    """The ``top`` entries by cumulative and by own time, as Markdown code blocks."""
+    for order in ("cumulative", "tottime"):
+        buffer = io.StringIO()
+        pstats.Stats(profiler, stream=buffer).strip_dirs().sort_stats(order).print_stats(top)
+        print(f"\n## cProfile of the measured gpo steps, top {top} by {order}\n\n```")
+        print("\n".join(line for line in buffer.getvalue().splitlines() if line.strip()))
+        print("```")
+
+
+def mean_sd(values: list[float]) -> str:
+    """``"mean ± sd"`` with three decimals."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def report(steps: list[Step]) -> None:
+    """Print the time split, the overhead, the throughputs and the token counts as Markdown."""
+    mean = statistics.mean
+    wall = [s.wall_s for s in steps]
+    bare_gen, bare_train = [s.bare_generate_s for s in steps], [s.bare_train_s for s in steps]
+    bare_step = [g + t for g, t in zip(bare_gen, bare_train, strict=True)]
+    rows = [
+        ("rollout", [s.rollout_s for s in steps], bare_gen),
+        ("- of which `generate`", [s.generate_s for s in steps], bare_gen),
+        ("- of which the sampler log-prob pass", [s.sampler_logp_s for s in steps], None),
+        (
+            "- of which the rest (padding, decoding)",
+            [s.rollout_s - s.generate_s - s.sampler_logp_s for s in steps],
+            None,
+        ),
+        ("scoring", [s.scoring_s for s in steps], None),
+        ("training", [s.training_s for s in steps], bare_train),
+        (
+            "outside training_step (loop, data)",
+            [s.wall_s - s.rollout_s - s.scoring_s - s.training_s for s in steps],
+            None,
+        ),
+        ("**step (wall)**", wall, bare_step),
+    ]
+    print("\n## Time per step (mean ± sd over the measured steps)\n")
+    print("| phase | gpo s/step | bare s/step | gpo / bare |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, ours, theirs in rows:
+        ratio = f"{mean(ours) / mean(theirs):.2f}x" if theirs else "-"
+        print(f"| {name} | {mean_sd(ours)} | {mean_sd(theirs) if theirs else '-'} | {ratio} |")
+    per_step = statistics.median(w / b for w, b in zip(wall, bare_step, strict=True))
+    print(
+        f"\n**Overhead: {mean(wall) / mean(bare_step):.2f}x** (gpo step / (bare generate + bare train), means; ", end=""
+    )
+    print(f"median of the per-step ratios {per_step:.2f}x)")
+
+    gen_tokens, train_tokens = sum(s.generated_tokens for s in steps), sum(s.train_tokens for s in steps)
+    rollout_s, training_s = sum(s.rollout_s for s in steps), sum(s.training_s for s in steps)
+    print("\n## Throughput\n")
+    print("| metric | gpo | bare |")
+    print("| --- | ---: | ---: |")
+    print(f"| rollout tokens/s (generated) | {gen_tokens / rollout_s:,.0f} | {gen_tokens / sum(bare_gen):,.0f} |")
+    print(f"| training tokens/s (prompt + completion) | {train_tokens / training_s:,.0f} | ", end="")
+    print(f"{train_tokens / sum(bare_train):,.0f} |")
+
+    print("\n## Tokens per step (mean)\n")
+    print("| quantity | gpo | bare |")
+    print("| --- | ---: | ---: |")
+    print(f"| completions | {steps[0].completion_ids.shape[0]} | {steps[0].prompt_ids.shape[0]} |")
+    widths = [s.completion_ids.shape[1] for s in steps]
+    print(f"| decode steps (generated width) | {mean(widths):.1f} | {mean(s.bare_width for s in steps):.1f} |")
+    print(f"| generated tokens (up to EOS) | {gen_tokens / len(steps):.0f} | - |")
+    print(f"| training tokens (prompt + completion) | {train_tokens / len(steps):.0f} | the same tensors |")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=256, help="tiny llama hidden size (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=4, help="tiny llama layers (default: %(default)s)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion budget (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run and of sampling (default: %(default)s)")
+    parser.add_argument(
+        "--profile", type=int, metavar="TOP", help="print cProfile's TOP entries for the measured gpo steps instead"
+    )
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    print("# gpo step time\n")
+    print(f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {platform.platform()}")
+    print(
+        f"- versions: Python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, lightning {L.__version__}"
+    )
+    print(f"- torch threads: {torch.get_num_threads()}")
+    print(
+        f"- workload: tiny llama hidden {args.hidden_size}, {args.num_layers} layers, float32; sort_digits, "
+        f"{args.prompts_per_step} prompts x {args.group_size} completions, max_new_tokens {args.max_new_tokens}, "
+        f"temperature 1.0; grpo, old log-probs from the batch, 1 optimiser step per batch, AdamW lr {args.lr}; "
+        f"{args.warmup} warm-up + {args.steps} measured steps"
+    )
+    print(f"- load average (1 min) before the run: {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, data_path = make_workspace(Path(tmp), args)
+        steps = run_gpo(model_path, data_path, Path(tmp), args)
+    print(f"- load average (1 min) after the run: {os.getloadavg()[0]:.2f}")
+    if args.profile is None:
+        report(steps)
+
+
+if __name__ == "__main__":
+    main()
