@@ -34,6 +34,8 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     kind = _FILE_TYPES.get(path.suffix.lower())
     if kind is None:
         raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(_FILE_TYPES)}.")
+    if path.stat().st_size == 0:
+        return []
     return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
 
 
@@ -124,10 +126,10 @@ class PromptDataModule(LightningDataModule):
         for index, record in enumerate(records):
             text = record[self.prompt_column]
             if use_template:
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                encoded = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
                 )
-                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                ids = list(encoded["input_ids"])
             else:
                 ids = tokenizer(text, add_special_tokens=True)["input_ids"]
             if len(ids) > self.max_prompt_length:
