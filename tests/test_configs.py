@@ -21,12 +21,13 @@ def assets(tmp_path_factory):
     return root, str(dense), str(moe), str(data)
 
 
-def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None):
+def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None, extra: tuple[str, ...] = ()):
     root, dense, _, data = assets
     args = ["fit", *(f"--config={c}" for c in configs)]
-    args += [f"--model.policy={policy or dense}", f"--data.path={data}", f"--trainer.max_steps={steps}"]
-    args += [f"--trainer.default_root_dir={root / 'runs'}", "--trainer.enable_progress_bar=false"]
-    main(args)
+    args += [f"--model.policy={policy or dense}", f"--data.path={data}", "--data.val_path=null"]
+    args += ["--trainer.val_check_interval=1.0"]  # the quickstart validates every 200 steps; these runs are shorter
+    args += [f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root / 'runs'}"]
+    main([*args, "--trainer.enable_progress_bar=false", *extra])
 
 
 def test_there_is_a_config_per_preset():
@@ -43,5 +44,13 @@ def test_preset_config_trains_a_few_steps(assets, preset):
 
 def test_quickstart_saves_its_resolved_config(assets):
     run_fit(assets, CONFIGS / "quickstart.yaml", steps=1)
-    saved = sorted((assets[0] / "runs").rglob("config.yaml"))
-    assert saved and "positional_match" in saved[-1].read_text()
+    saved = max((assets[0] / "runs").rglob("config.yaml"), key=lambda p: p.stat().st_mtime)
+    assert "positional_match" in saved.read_text()
+
+
+def test_parts_by_short_class_name_or_import_path(assets):
+    extra = ("--model.gate=ClipGate", "--model.gate.clip_high=0.3", "--model.aggregator=gpo.algo.TokenMean")
+    run_fit(assets, CONFIGS / "quickstart.yaml", extra=(*extra, "--model.advantage=RankAdvantage"))
+    saved = max((assets[0] / "runs").rglob("config.yaml"), key=lambda p: p.stat().st_mtime).read_text()
+    assert "class_path: gpo.algo.ClipGate" in saved and "clip_high: 0.3" in saved
+    assert "gpo.algo.TokenMean" in saved and "gpo.algo.RankAdvantage" in saved
