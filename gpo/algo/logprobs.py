@@ -55,6 +55,15 @@ def _grad_chunk(
     return grad.scatter_add_(-1, index, g_logp)
 
 
+def _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy) -> Tensor:
+    """``_grad_chunk`` on the chunk ``rows`` of full-length saved tensors; no entropy term if ``g_entropy`` is None."""
+    use_entropy = g_entropy is not None
+    return _grad_chunk(
+        z, index[rows], lse[rows], entropy[rows] if use_entropy else None, g_logp[rows],
+        g_entropy[rows] if use_entropy else None,
+    )  # fmt: skip
+
+
 class _LogitsLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, index: Tensor, temperature: float, chunk: int, with_entropy: bool):
@@ -83,14 +92,7 @@ class _LogitsLogProbs(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             z = logits[rows].float() / ctx.temperature
-            g_z = _grad_chunk(
-                z,
-                index[rows],
-                lse[rows],
-                entropy[rows] if use_entropy else None,
-                g_logp[rows],
-                g_entropy[rows] if use_entropy else None,
-            )
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
             grad[rows] = g_z.div_(ctx.temperature).to(grad.dtype)
         return grad, None, None, None, None
 
@@ -127,14 +129,7 @@ class _LinearLogProbs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]
             z = _linear_chunk(h, weight, bias, ctx.temperature)
-            g_z = _grad_chunk(
-                z,
-                index[rows],
-                lse[rows],
-                entropy[rows] if use_entropy else None,
-                g_logp[rows],
-                g_entropy[rows] if use_entropy else None,
-            )
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
             g_z = g_z.div_(ctx.temperature)  # [C, V] float32
             if need_hidden:
                 grad_hidden[rows] = g_z.to(weight.dtype) @ weight
