@@ -143,6 +143,7 @@ class GPOModule(LightningModule):
         # The frozen reference is kept out of the module's children: no optimiser, checkpoint or summary sees it.
         needs_reference = kl is not None and kl.beta > 0 and not is_peft(self.policy)
         self._reference = (copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval(),) if needs_reference else ()
+        self._extra_prompts, self._seeds_used, self._rollout_time = None, 0, 0.0
 
     @staticmethod
     def _check_arguments(rewards, group_size: int, old_logprobs: str, export: str) -> None:
@@ -200,25 +201,54 @@ class GPOModule(LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
-        rollout = self.rollout(batch, seed=self.seed + self.global_step)
-        rollout_time = time.perf_counter() - started
-        scores = score(self.rewards, rollout).to(self.device)  # [B, K]
-        reward = self.mixer(scores, rollout.group)  # [B]
-        if self.kl is not None and self.kl.beta > 0 and self.kl.placement == "reward":
-            mask = rollout.completion_mask
-            reward = reward + self.kl.reward_penalty(self._policy_logp(rollout), self._ref_logp(rollout), mask)
-        scoring_time = time.perf_counter() - started - rollout_time
-        self._call_rollout_hooks(rollout)
+        self._seeds_used = 0
+        batch = self._prompt_hooks(batch)
+        rollout = self.scored_rollout(batch) if batch["prompt"] else None
+        rollout = self._rollout_hooks(rollout)
+        if rollout is None or len(rollout) == 0:
+            self.log("rollout/skipped", 1.0, on_step=True)
+            return
+        sampling_time = time.perf_counter() - started
         mask = rollout.completion_mask.float()
         if self.mask_truncated_completions:
             mask = overlong_filter(mask, rollout.truncated)
-        adv = self.advantage(reward, rollout.group, mask)  # [B, T]
+        adv = self.advantage(rollout.reward, rollout.group, mask)  # [B, T]
         metrics = self._optimise(rollout, adv, mask)
-        metrics.update(self._rollout_metrics(rollout, scores, reward, adv, mask))
-        training_time = time.perf_counter() - started - rollout_time - scoring_time
-        metrics.update(_throughput(rollout, rollout_time, scoring_time, training_time))
+        metrics.update(self._rollout_metrics(rollout, adv, mask))
+        training_time = time.perf_counter() - started - sampling_time
+        metrics.update(_throughput(rollout, self._rollout_time, sampling_time - self._rollout_time, training_time))
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
-        self.log("reward", float(reward.mean()), prog_bar=True, on_step=True)
+        self.log("reward", float(rollout.reward.mean()), prog_bar=True, on_step=True)
+
+    def scored_rollout(self, batch: dict[str, Any], *, seed: int | None = None) -> Rollout:
+        """Sample ``group_size`` completions per prompt of ``batch`` and score them (``scores``, ``reward``).
+
+        Callbacks call this to draw more (dynamic sampling); each call of a step gets its own seed, derived from
+        ``seed`` and the step, so a run is reproducible however many rounds it draws.
+        """
+        if seed is None:
+            seed = self.seed + self.global_step + 1_000_003 * self._seeds_used
+            self._seeds_used += 1
+        started = time.perf_counter()
+        rollout = self.rollout(batch, seed=seed)
+        self._rollout_time += time.perf_counter() - started
+        rollout.scores = score(self.rewards, rollout).to(self.device)  # [B, K]
+        reward = self.mixer(rollout.scores, rollout.group)  # [B]
+        if self.kl is not None and self.kl.beta > 0 and self.kl.placement == "reward":
+            mask = rollout.completion_mask
+            reward = reward + self.kl.reward_penalty(self._policy_logp(rollout), self._ref_logp(rollout), mask)
+        rollout.reward = reward
+        return rollout
+
+    def next_prompt_batch(self) -> dict[str, Any]:
+        """Another batch of training prompts (for callbacks that draw more), from its own pass over the data."""
+        if self._extra_prompts is None:
+            self._extra_prompts = iter(self.trainer.train_dataloader)
+        try:
+            return next(self._extra_prompts)
+        except StopIteration:
+            self._extra_prompts = iter(self.trainer.train_dataloader)
+            return next(self._extra_prompts)
 
     def rollout(self, batch: dict[str, Any], *, seed: int | None = None, greedy: bool = False, n: int | None = None):
         """Sample ``n`` completions (default ``group_size``) per prompt; attach texts and dataset fields."""
@@ -234,12 +264,23 @@ class GPOModule(LightningModule):
         rollout.fields = {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
         return rollout
 
-    def _call_rollout_hooks(self, rollout: Rollout) -> None:
-        """Give callbacks that define ``on_rollout_end(trainer, module, rollout)`` the scored rollout."""
+    def _prompt_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Callbacks defining ``on_prompts(trainer, module, batch)`` may return a filtered batch of prompts."""
+        self._rollout_time = 0.0
+        for callback in self.trainer.callbacks:
+            hook = getattr(callback, "on_prompts", None)
+            if hook is not None:
+                batch = hook(self.trainer, self, batch) or batch
+        return batch
+
+    def _rollout_hooks(self, rollout: Rollout | None) -> Rollout | None:
+        """Callbacks defining ``on_rollout_end(trainer, module, rollout)`` see the scored rollout before training;
+        one that returns a rollout replaces it (e.g. with more or fewer groups), returning None keeps it."""
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_rollout_end", None)
-            if hook is not None:
-                hook(self.trainer, self, rollout)
+            if hook is not None and rollout is not None:
+                rollout = hook(self.trainer, self, rollout) or rollout
+        return rollout
 
     def _policy_logp(self, rollout: Rollout) -> Tensor:
         return self._score_tokens(self.model, rollout)
@@ -337,8 +378,8 @@ class GPOModule(LightningModule):
             entropy=out.entropy, **sliced, **gate_inputs,
         )  # fmt: skip
 
-    def _rollout_metrics(self, rollout, scores, reward, adv, mask) -> dict[str, Tensor]:
-        lengths = rollout.lengths.float()
+    def _rollout_metrics(self, rollout: Rollout, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        lengths, reward, scores = rollout.lengths.float(), rollout.reward, rollout.scores
         metrics = {
             "reward/mean": reward.mean(),
             "reward/std": reward.std() if len(reward) > 1 else reward.new_zeros(()),
@@ -358,7 +399,7 @@ class GPOModule(LightningModule):
         e = self.evaluation
         for kind, n, greedy in (("greedy", 1, True), ("sampled", e.samples, False)):
             rollout = self.rollout(batch, seed=e.seed + batch_idx, greedy=greedy, n=n)
-            reward = self.mixer(score(self.rewards, rollout).to(self.device), rollout.group)
+            reward = self.mixer(score(self.rewards, rollout).to(self.device), rollout.group)  # no KL: not training
             size = len(batch["prompt"])
             self.log(f"val/reward_{kind}", reward.mean(), batch_size=size, prog_bar=kind == "greedy")
             self.log(f"val/pass@1_{kind}", (reward >= e.pass_threshold).float().mean(), batch_size=size)

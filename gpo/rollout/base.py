@@ -55,6 +55,8 @@ class Rollout:
     prompts: list[str] = field(default_factory=list)  # [B]
     completions: list[str] = field(default_factory=list)  # [B]
     fields: dict[str, list] = field(default_factory=dict)  # extra dataset columns, one value per row
+    scores: Tensor | None = None  # [B, K] float32: one column per reward function, once scored
+    reward: Tensor | None = None  # [B] float32: the mixed reward, once scored
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -87,6 +89,8 @@ class Rollout:
             prompts=[self.prompts[i] for i in picked] if self.prompts else [],
             completions=[self.completions[i] for i in picked] if self.completions else [],
             fields={key: [values[i] for i in picked] for key, values in self.fields.items()},
+            scores=None if self.scores is None else self.scores[index],
+            reward=None if self.reward is None else self.reward[index],
         )
 
     def to(self, device: torch.device | str) -> Rollout:
@@ -94,7 +98,55 @@ class Rollout:
             name: getattr(self, name).to(device)
             for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "group")
         }
-        return replace(self, **move, logp=None if self.logp is None else self.logp.to(device))
+        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward")}
+        return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
+
+    @property
+    def num_groups(self) -> int:
+        return int(torch.unique(self.group).numel())
+
+
+def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
+    """One rollout from several: prompts re-padded on the left, completions on the right (with id 0 under a zero
+    mask), group ids renumbered so groups of different parts stay distinct."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    width_p = max(r.prompt_ids.shape[1] for r in rollouts)
+    width_t = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def left(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (width_p - x.shape[1], 0))
+
+    def right(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width_t - x.shape[1]))
+
+    groups, offset = [], 0
+    for r in rollouts:
+        _, index = torch.unique(r.group, return_inverse=True)
+        groups.append(index + offset)
+        offset += int(index.max()) + 1 if len(r) else 0
+
+    def cat_optional(name: str, pad=None) -> Tensor | None:
+        parts = [getattr(r, name) for r in rollouts]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([pad(p) if pad else p for p in parts])
+
+    keys = rollouts[0].fields.keys()
+    return Rollout(
+        prompt_ids=torch.cat([left(r.prompt_ids) for r in rollouts]),
+        prompt_mask=torch.cat([left(r.prompt_mask) for r in rollouts]),
+        completion_ids=torch.cat([right(r.completion_ids) for r in rollouts]),
+        completion_mask=torch.cat([right(r.completion_mask) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        group=torch.cat(groups),
+        logp=cat_optional("logp", right),
+        prompts=[p for r in rollouts for p in r.prompts],
+        completions=[c for r in rollouts for c in r.completions],
+        fields={key: [v for r in rollouts for v in r.fields[key]] for key in keys},
+        scores=cat_optional("scores"),
+        reward=cat_optional("reward"),
+    )
 
 
 class RolloutEngine(ABC):

@@ -114,3 +114,25 @@ def test_logprobs_are_skipped_when_not_asked_for(policy_and_tokenizer):
     e = engine(policy_and_tokenizer, max_new_tokens=3)
     assert e.generate([tok("ab").input_ids], n=2, seed=0, logprobs=False).logp is None
     assert e.generate([tok("ab").input_ids], n=2, seed=0).logp is not None
+
+
+def test_concat_rollouts_repads_and_keeps_groups_apart(policy_and_tokenizer):
+    from gpo.rollout.base import concat_rollouts
+
+    _, tok = policy_and_tokenizer
+    e = engine(policy_and_tokenizer, max_new_tokens=4)
+    a = e.generate([tok("a").input_ids], n=2, seed=0)
+    b = e.generate([tok("bcdef").input_ids, tok("g").input_ids], n=2, seed=1, logprobs=False)
+    a.fields, b.fields = {"answer": ["x"] * 2}, {"answer": ["y"] * 4}
+    both = concat_rollouts([a, b])
+    assert len(both) == 6 and both.num_groups == 3 and both.group.tolist() == [0, 0, 1, 1, 2, 2]
+    assert both.logp is None  # one part had none
+    assert both.fields["answer"] == ["x", "x", "y", "y", "y", "y"]
+    for part, rows in ((a, range(2)), (b, range(2, 6))):
+        for i, row in enumerate(rows):
+            assert both.prompt_ids[row][both.prompt_mask[row].bool()].tolist() == (
+                part.prompt_ids[i][part.prompt_mask[i].bool()].tolist()
+            )
+            assert both.completion_ids[row][both.completion_mask[row].bool()].tolist() == (
+                part.completion_ids[i][part.completion_mask[i].bool()].tolist()
+            )
