@@ -1,0 +1,11 @@
+"""gpo.callbacks: Lightning callbacks for group-based RL, usable from any LightningModule that provides what each
+callback's docstring asks for.
+
+Besides Lightning's hooks, gpo's trainer calls two extra ones on every callback that defines them:
+
+- ``on_prompts(trainer, module, batch) -> batch | None``: before sampling; return a filtered batch of prompts.
+- ``on_rollout_end(trainer, module, rollout) -> rollout | None``: after scoring, before advantages and training;
+  return a replacement rollout (more or fewer groups), or None to keep it.
+"""
+
+__all__: list[str] = []
