@@ -8,4 +8,9 @@ Besides Lightning's hooks, gpo's trainer calls two extra ones on every callback 
   return a replacement rollout (more or fewer groups), or None to keep it.
 """
 
-__all__: list[str] = []
+from gpo.callbacks.completion_samples import CompletionSamples
+from gpo.callbacks.difficulty_filter import DifficultyFilter
+from gpo.callbacks.dynamic_sampling import DynamicSampling
+from gpo.callbacks.rollout_monitor import RolloutMonitor
+
+__all__ = ["CompletionSamples", "DifficultyFilter", "DynamicSampling", "RolloutMonitor"]

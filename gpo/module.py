@@ -270,7 +270,8 @@ class GPOModule(LightningModule):
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_prompts", None)
             if hook is not None:
-                batch = hook(self.trainer, self, batch) or batch
+                filtered = hook(self.trainer, self, batch)
+                batch = batch if filtered is None else filtered
         return batch
 
     def _rollout_hooks(self, rollout: Rollout | None) -> Rollout | None:
@@ -279,7 +280,8 @@ class GPOModule(LightningModule):
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_rollout_end", None)
             if hook is not None and rollout is not None:
-                rollout = hook(self.trainer, self, rollout) or rollout
+                replaced = hook(self.trainer, self, rollout)  # an empty rollout is a valid answer: skip the step
+                rollout = rollout if replaced is None else replaced
         return rollout
 
     def _policy_logp(self, rollout: Rollout) -> Tensor:

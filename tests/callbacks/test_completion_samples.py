@@ -1,0 +1,197 @@
+"""CompletionSamples: which samples are picked, the Markdown file, the loggers that show text, a real fit."""
+
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import Mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+from gpo.callbacks.completion_samples import COLUMNS, CompletionSamples
+from gpo.cli import default_loggers
+from gpo.data import PromptDataModule
+from gpo.module import GPOModule, Optimization
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.rollout.base import Rollout
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+
+def make_rollout(prompts, completions, rewards):
+    """One group per prompt; ``completions[g]`` and ``rewards[g]`` list group g's completions and rewards."""
+    group = torch.tensor([g for g, row in enumerate(rewards) for _ in row])
+    size = len(group)
+    return Rollout(
+        prompt_ids=torch.ones(size, 1, dtype=torch.long),
+        prompt_mask=torch.ones(size, 1, dtype=torch.long),
+        completion_ids=torch.ones(size, 2, dtype=torch.long),
+        completion_mask=torch.ones(size, 2, dtype=torch.long),
+        truncated=torch.zeros(size, dtype=torch.bool),
+        group=group,
+        prompts=[p for p, row in zip(prompts, rewards, strict=True) for _ in row],
+        completions=[c for row in completions for c in row],
+        reward=torch.tensor([r for row in rewards for r in row]),
+    )
+
+
+def fake_trainer(log_dir, step=7, loggers=(), zero=True):
+    return SimpleNamespace(
+        log_dir=str(log_dir), default_root_dir=str(log_dir), global_step=step, is_global_zero=zero, loggers=loggers
+    )
+
+
+# group means: p0 0.3, p1 0.8, p2 0.0
+ROLLOUT = (["p0", "p1", "p2"], [["a0", "b0"], ["a1", "b1"], ["a2", "b2"]], [[0.2, 0.4], [1.0, 0.6], [0.0, 0.0]])
+
+
+def test_picks_alternate_between_the_best_and_the_worst_groups():
+    rows = CompletionSamples(num_samples=4).pick(make_rollout(*ROLLOUT))
+    assert rows == [
+        ["high", 0.8, 1.0, "p1", "a1"],  # best group, its best completion
+        ["low", 0.0, 0.0, "p2", "b2"],  # worst group, its worst completion (tie: the later row)
+        ["high", 0.3, 0.4, "p0", "b0"],  # second best group
+        ["low", 0.3, 0.2, "p0", "a0"],  # second worst group: the same one; its worst completion
+    ]
+    assert len(CompletionSamples(num_samples=9).pick(make_rollout(*ROLLOUT))) == 6  # then a2 (high) and b1 (low)
+
+
+def test_writes_a_readable_markdown_file(tmp_path):
+    CompletionSamples(num_samples=2).on_rollout_end(fake_trainer(tmp_path), None, make_rollout(*ROLLOUT))
+    text = (tmp_path / "samples" / "step_000007.md").read_text()
+    assert text == "\n".join(
+        [
+            "# Samples at step 7",
+            "",
+            "## 1. high-reward group (group mean 0.8, this completion 1)",
+            "",
+            "**prompt**",
+            "",
+            "```text",
+            "p1",
+            "```",
+            "",
+            "**completion**",
+            "",
+            "```text",
+            "a1",
+            "```",
+            "",
+            "## 2. low-reward group (group mean 0, this completion 0)",
+            "",
+            "**prompt**",
+            "",
+            "```text",
+            "p2",
+            "```",
+            "",
+            "**completion**",
+            "",
+            "```text",
+            "b2",
+            "```",
+            "",
+        ]
+    )
+
+
+def test_long_texts_are_cut_and_backticks_get_a_longer_fence(tmp_path):
+    rollout = make_rollout(["q"], [["x" * 30, "```py\nprint()\n```"]], [[1.0, 0.0]])
+    CompletionSamples(num_samples=2, max_chars=20).on_rollout_end(fake_trainer(tmp_path), None, rollout)
+    text = (tmp_path / "samples" / "step_000007.md").read_text()
+    assert "x" * 20 + "... [10 more characters]\n" in text
+    assert "````text\n```py\nprint()\n```\n````" in text
+
+
+def test_every_n_steps_counts_rollouts_and_only_global_zero_writes(tmp_path):
+    samples = CompletionSamples(every_n_steps=2)
+    for step in range(5):
+        samples.on_rollout_end(fake_trainer(tmp_path, step=10 * step), None, make_rollout(*ROLLOUT))
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == [
+        "step_000000.md",
+        "step_000020.md",
+        "step_000040.md",
+    ]
+    other = CompletionSamples(every_n_steps=1)
+    other.on_rollout_end(fake_trainer(tmp_path / "rank1", zero=False), None, make_rollout(*ROLLOUT))
+    assert other.rollouts_seen == 1 and not (tmp_path / "rank1").exists()
+
+
+def test_loggers_with_text_support_receive_the_samples(tmp_path, monkeypatch):
+    tensorboard = TensorBoardLogger(tmp_path / "tb")
+    add_text = Mock()
+    monkeypatch.setattr(tensorboard.experiment, "add_text", add_text)
+    wandb, mlflow = Mock(spec=WandbLogger), Mock(spec=MLFlowLogger)
+    mlflow.run_id = "run-1"
+    loggers = [CSVLogger(tmp_path / "csv"), tensorboard, wandb, mlflow]
+    CompletionSamples(num_samples=1).on_rollout_end(
+        fake_trainer(tmp_path, loggers=loggers), None, make_rollout(*ROLLOUT)
+    )
+    text = (tmp_path / "samples" / "step_000007.md").read_text()
+    add_text.assert_called_once_with("samples", text, global_step=7)
+    wandb.log_text.assert_called_once_with(
+        key="samples", columns=COLUMNS, data=[[7, "high", 0.8, 1.0, "p1", "a1"]], step=7
+    )
+    mlflow.experiment.log_text.assert_called_once_with("run-1", text, "samples/step_000007.md")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps=0 must be >= 1"),
+        ({"num_samples": 0}, "num_samples=0 must be >= 1"),
+        ({"max_chars": 0}, "max_chars=0 must be >= 1"),
+    ],
+)
+def test_invalid_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompletionSamples(**kwargs)
+
+
+def test_state_dict_round_trip(tmp_path):
+    samples = CompletionSamples(every_n_steps=3)
+    for _ in range(4):
+        samples.on_rollout_end(fake_trainer(tmp_path), None, make_rollout(*ROLLOUT))
+    restored = CompletionSamples(every_n_steps=3)
+    restored.load_state_dict(samples.state_dict())
+    assert restored.state_dict() == {"rollouts_seen": 4}
+
+
+# ---- inside a real Trainer with GPOModule --------------------------------------------------------------------
+
+
+def test_writes_samples_during_a_real_run_and_resumes_the_schedule(tmp_path, monkeypatch):
+    warnings.filterwarnings("ignore", module="lightning")
+    model = str(save_tiny_model(tmp_path / "model"))
+    data = str(write_jsonl(make_task("sort_digits", 64, seed=0), tmp_path / "train.jsonl"))
+    loggers = default_loggers(str(tmp_path))  # CSV + TensorBoard, as `gpo fit` uses
+    texts = []
+    monkeypatch.setattr(loggers[1].experiment, "add_text", lambda tag, text, global_step: texts.append(global_step))
+
+    def fit(steps, samples, ckpt_path=None):
+        module = GPOModule(
+            model, [positional_match], group_size=4, engine=HFEngine(max_new_tokens=4), optim=Optimization(lr=1e-3),
+            export="none",
+        )  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=steps, logger=loggers, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[samples],
+        )  # fmt: skip
+        trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4), ckpt_path=ckpt_path)
+        return trainer
+
+    trainer = fit(3, CompletionSamples(every_n_steps=2, num_samples=2))
+    folder = Path(trainer.log_dir) / "samples"
+    assert folder.parent.name == "version_0" and texts == [0, 2]
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000000.md", "step_000002.md"]
+    text = (folder / "step_000002.md").read_text()
+    assert text.startswith("# Samples at step 2\n") and "## 2. low-reward group" in text  # picks differ
+    assert "=\n```" in text  # a sort_digits prompt such as "381=" in its fenced block
+
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = CompletionSamples(every_n_steps=2, num_samples=2)
+    fit(5, resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.rollouts_seen == 5 and texts == [0, 2, 4]  # the 4th rollout (0-based) is due

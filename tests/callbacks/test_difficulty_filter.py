@@ -1,0 +1,224 @@
+"""DifficultyFilter: windowed pass rates, skipping outside the band, re-tests, fallback, checkpoints, a real fit."""
+
+import json
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from gpo.callbacks.difficulty_filter import DifficultyFilter, select_prompts
+from gpo.data import PromptDataModule
+from gpo.module import GPOModule, Optimization
+from gpo.rollout import HFEngine
+from gpo.rollout.base import Rollout
+from gpo.testing import save_tiny_model
+
+
+class FakeModule:
+    def __init__(self):
+        self.logged = {}
+
+    def log_dict(self, metrics, **kwargs):
+        self.logged.update(metrics)
+
+
+def make_rollout(prompts, rewards, fields=None):
+    """One group per prompt; ``rewards[g]`` lists the rewards of group g's completions."""
+    group = torch.tensor([g for g, row in enumerate(rewards) for _ in row])
+    size = len(group)
+    return Rollout(
+        prompt_ids=torch.ones(size, 1, dtype=torch.long),
+        prompt_mask=torch.ones(size, 1, dtype=torch.long),
+        completion_ids=torch.ones(size, 2, dtype=torch.long),
+        completion_mask=torch.ones(size, 2, dtype=torch.long),
+        truncated=torch.zeros(size, dtype=torch.bool),
+        group=group,
+        prompts=[p for p, row in zip(prompts, rewards, strict=True) for _ in row],
+        fields={k: [v for v, row in zip(vs, rewards, strict=True) for _ in row] for k, vs in (fields or {}).items()},
+        reward=torch.tensor([r for row in rewards for r in row]),
+    )
+
+
+def make_batch(prompts, fields=None):
+    return {"prompt_ids": [[ord(c) for c in p] for p in prompts], "prompt": list(prompts), "fields": fields or {}}
+
+
+def step(flt, module, prompts, rewards_by_prompt, fields=None):
+    """One step: filter ``prompts``, then score the kept ones with the given rewards; returns the kept prompts."""
+    kept = flt.on_prompts(None, module, make_batch(prompts, fields)) or make_batch(prompts, fields)
+    flt.on_rollout_end(None, module, make_rollout(kept["prompt"], [rewards_by_prompt[p] for p in kept["prompt"]]))
+    return kept["prompt"]
+
+
+# 4 completions per group: "easy" passes 4/4 (rate 1.0), "hard" 0/4, "mid" 2/4 (inside [0.2, 0.8])
+REWARDS = {"easy": [1.0] * 4, "hard": [0.0] * 4, "mid": [1.0, 0.0, 0.0, 1.0]}
+
+
+def test_prompts_outside_the_band_are_skipped_and_retested_after_retest_every_steps():
+    flt, module = DifficultyFilter(retest_every=3), FakeModule()
+    prompts = ["easy", "hard", "mid"]
+    assert step(flt, module, prompts, REWARDS) == prompts  # step 1: nothing known, all tested
+    assert module.logged["difficulty/inside"] == 1 and module.logged["difficulty/below"] == 1
+    assert module.logged["difficulty/above"] == 1
+    assert step(flt, module, prompts, REWARDS) == ["mid"]  # step 2: easy/hard tested 1 step ago
+    assert module.logged["difficulty/seen"] == 3 and module.logged["difficulty/skipped"] == 2
+    assert step(flt, module, prompts, REWARDS) == ["mid"]  # step 3: 2 steps ago, still fresh
+    assert step(flt, module, prompts, REWARDS) == prompts  # step 4: 3 steps ago = retest_every -> re-tested
+    assert step(flt, module, prompts, REWARDS) == ["mid"]
+
+
+def test_a_retest_alone_decides_so_a_prompt_that_got_harder_comes_back():
+    flt, module = DifficultyFilter(retest_every=2, window=4), FakeModule()
+    step(flt, module, ["p"], {"p": [1.0] * 4})  # step 1: 4/4 -> above
+    with pytest.warns(UserWarning, match="every prompt of the batch is outside"):
+        assert flt.on_prompts(None, module, make_batch(["p"]))["prompt"] == ["p"]  # step 2: fallback keeps it
+    assert module.logged["difficulty/fallback"] == 1.0
+    flt.on_rollout_end(None, module, make_rollout(["p"], [[0.0, 1.0, 0.0, 1.0]]))  # 2/4; window: 6/8 = 0.75
+    assert flt.pass_rate("p") == 0.75  # both groups fresh, pooled: (4 + 2) / 8
+    step(flt, module, ["q"], {"q": [0.0] * 4})  # steps 3, 4: p untouched
+    step(flt, module, ["q"], {"q": [0.0] * 4})
+    assert flt.pass_rate("p") is None and "p" not in flt.history  # newest group 2 steps old: stale, forgotten
+
+
+def test_pass_rate_pools_the_last_window_groups():
+    flt, module = DifficultyFilter(window=2, pass_threshold=0.5), FakeModule()
+    flt.on_prompts(None, module, make_batch(["p"]))
+    flt.on_rollout_end(None, module, make_rollout(["p", "p"], [[0.0] * 4, [0.5, 0.7]]))  # 0/4, then 2/2
+    assert flt.pass_rate("p") == pytest.approx(2 / 6)
+    flt.on_rollout_end(None, module, make_rollout(["p"], [[0.4, 0.6, 0.6, 0.6, 0.6, 0.6]]))  # 5/6; 0/4 leaves
+    assert flt.pass_rate("p") == pytest.approx((2 + 5) / (2 + 6))
+
+
+def test_all_skipped_keeps_the_whole_batch_and_warns_once():
+    flt, module = DifficultyFilter(), FakeModule()
+    step(flt, module, ["easy", "hard"], REWARDS)
+    with pytest.warns(UserWarning, match=r"at step 2 every prompt .* outside the pass-rate band \[0.2, 0.8\]"):
+        assert step(flt, module, ["easy", "hard"], REWARDS) == ["easy", "hard"]
+    assert module.logged["difficulty/fallback"] == 1.0 and module.logged["difficulty/skipped"] == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(flt, module, ["hard"], REWARDS)  # no second warning
+    assert step(flt, module, ["hard", "mid"], REWARDS) == ["mid"]
+    assert module.logged["difficulty/fallback"] == 0.0
+
+
+def test_key_column_tracks_prompts_by_id_and_fields_stay_aligned():
+    flt, module = DifficultyFilter(key_column="id"), FakeModule()
+    fields = {"id": [7, 8], "answer": ["a", "b"]}
+    batch = make_batch(["same", "same"], fields)
+    flt.on_prompts(None, module, batch)
+    flt.on_rollout_end(None, module, make_rollout(["same", "same"], [[1.0] * 2, [1.0, 0.0]], fields))
+    assert flt.pass_rate(7) == 1.0 and flt.pass_rate(8) == 0.5
+    kept = flt.on_prompts(None, module, batch)
+    assert kept["fields"] == {"id": [8], "answer": ["b"]} and kept["prompt_ids"] == [batch["prompt_ids"][1]]
+    with pytest.raises(ValueError, match=r"key_column='id' is not among the batch fields \(answer\)"):
+        flt.on_prompts(None, module, make_batch(["x"], {"answer": ["a"]}))
+
+
+def test_score_index_judges_on_one_reward_function():
+    flt, module = DifficultyFilter(score_index=1), FakeModule()
+    rollout = make_rollout(["p"], [[5.0, 5.0]])  # the mixed reward would pass both
+    rollout.scores = torch.tensor([[5.0, 1.0], [5.0, 0.0]])
+    flt.on_prompts(None, module, make_batch(["p"]))
+    flt.on_rollout_end(None, module, rollout)
+    assert flt.pass_rate("p") == 0.5
+    with pytest.raises(ValueError, match="score_index=3 but the rollout has 2 score columns"):
+        DifficultyFilter(score_index=3).on_rollout_end(None, module, rollout)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"low": 0.9, "high": 0.1}, "need 0 <= low <= high <= 1"),
+        ({"high": 1.5}, "high=1.5"),
+        ({"window": 0}, "window=0 must be >= 1"),
+        ({"retest_every": 0}, "retest_every=0 must be >= 1"),
+        ({"score_index": -1}, "score_index=-1 must be >= 0"),
+    ],
+)
+def test_invalid_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DifficultyFilter(**kwargs)
+
+
+def test_state_dict_round_trip_through_torch_save(tmp_path):
+    flt, module = DifficultyFilter(retest_every=3, window=2), FakeModule()
+    for _ in range(2):
+        step(flt, module, ["easy", "hard", "mid"], REWARDS)
+    torch.save(flt.state_dict(), tmp_path / "state.pt")
+    restored = DifficultyFilter(retest_every=3, window=2)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert restored.state_dict() == flt.state_dict() and restored.step == 2
+    assert {k: list(v) for k, v in restored.history.items()} == {k: list(v) for k, v in flt.history.items()}
+    for _ in range(3):  # both make the same decisions from here on
+        assert step(restored, module, ["easy", "hard", "mid"], REWARDS) == step(
+            flt, module, ["easy", "hard", "mid"], REWARDS
+        )
+
+
+def test_select_prompts_passes_other_keys_through():
+    batch = {**make_batch(["a", "b", "c"], {"x": [1, 2, 3]}), "extra": "kept"}
+    assert select_prompts(batch, [0, 2]) == {
+        "prompt_ids": [[97], [99]],
+        "prompt": ["a", "c"],
+        "fields": {"x": [1, 3]},
+        "extra": "kept",
+    }
+
+
+# ---- inside a real Trainer with GPOModule --------------------------------------------------------------------
+
+
+def by_prompt(prompts, completions, **_):
+    return [REWARDS[p][i % 4] for i, p in enumerate(prompts)]  # rows of a group are adjacent, 4 per group
+
+
+class SeenPrompts(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_rollout_end(self, trainer, module, rollout):
+        self.steps.append(sorted(set(rollout.prompts)))
+
+
+def fit(root, steps, flt, ckpt_path=None):
+    warnings.filterwarnings("ignore", module="lightning")
+    model = str(root / "model")
+    module = GPOModule(
+        model, [by_prompt], group_size=4, engine=HFEngine(max_new_tokens=2), optim=Optimization(lr=1e-3), export="none"
+    )
+    seen = SeenPrompts()
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[flt, seen],
+        default_root_dir=root,
+    )
+    data = PromptDataModule(str(root / "train.jsonl"), tokenizer=model, prompts_per_step=3)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer, seen.steps
+
+
+def test_filters_a_real_run_and_resumes_from_a_checkpoint(tmp_path):
+    save_tiny_model(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in REWARDS))
+    trainer, seen = fit(tmp_path, 4, DifficultyFilter(retest_every=3))
+    everything = ["easy", "hard", "mid"]
+    assert seen == [everything, ["mid"], ["mid"], everything]
+    logged = trainer.callback_metrics
+    assert logged["difficulty/skipped"] == 0 and logged["difficulty/seen"] == 3
+    assert (logged["difficulty/inside"], logged["difficulty/below"], logged["difficulty/above"]) == (1, 1, 1)
+
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
+    state = next(v for k, v in saved.items() if k.startswith("DifficultyFilter"))
+    assert state["step"] == 4 and sorted(state["keys"]) == everything
+
+    resumed = DifficultyFilter(retest_every=3)
+    trainer, seen = fit(tmp_path, 5, resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert seen == [["mid"]]  # easy and hard were re-tested at step 4, before the checkpoint
+    assert resumed.step == 5 and trainer.global_step == 5

@@ -1,0 +1,275 @@
+"""RolloutMonitor: hand-worked statistics, the collapse warning (all three signals and only then), entropy sources,
+checkpoints, and a real fit."""
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from gpo.callbacks.rollout_monitor import RolloutMonitor, unique_ngram_ratio
+from gpo.data import PromptDataModule
+from gpo.module import GPOModule, Optimization
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.rollout.base import Rollout
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model, tiny_model
+
+
+class FakeModule:
+    def __init__(self, model=None):
+        self.logged, self.model, self.temperature = {}, model, 1.0
+
+    def log_dict(self, metrics, **kwargs):
+        self.logged = dict(metrics)
+
+
+def fake_trainer(step=0, **metrics):
+    return SimpleNamespace(global_step=step, callback_metrics=metrics)
+
+
+def make_rollout(ids, mask, group, reward, truncated=None, prompt_len=1):
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    size = ids.shape[0]
+    return Rollout(
+        prompt_ids=torch.full((size, prompt_len), 2),
+        prompt_mask=torch.ones(size, prompt_len, dtype=torch.long),
+        completion_ids=ids,
+        completion_mask=mask,
+        truncated=torch.tensor(truncated or [False] * size),
+        group=torch.tensor(group),
+        reward=torch.tensor(reward, dtype=torch.float32),
+    )
+
+
+def run_step(monitor, rollout, step=0, **metrics):
+    """on_rollout_end then on_train_batch_end, as in a training step; returns what was logged."""
+    module = FakeModule()
+    monitor.on_rollout_end(fake_trainer(step), module, rollout)
+    monitor.on_train_batch_end(fake_trainer(step, **metrics), module, None, None, 0)
+    return module.logged
+
+
+# Two groups of two: group 0 repeats one completion, group 1 differs.
+IDS = [[5, 6, 7, 1], [5, 6, 7, 1], [5, 6, 1, 0], [8, 9, 9, 9]]
+MASK = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]]
+GROUP = [0, 0, 1, 1]
+
+
+def test_statistics_of_a_hand_worked_rollout():
+    rollout = make_rollout(IDS, MASK, GROUP, [1.0, 1.0, 0.0, 1.0], truncated=[False, True, False, True])
+    rollout.token_entropy = torch.tensor([[1.0] * 4, [2.0] * 4, [3.0, 3.0, 3.0, 99.0], [0.0] * 4])
+    logged = run_step(RolloutMonitor(ngram=2), rollout)
+    expected = {
+        "monitor/entropy": (4 * 1 + 4 * 2 + 3 * 3 + 4 * 0) / 15,  # the 99 sits on padding
+        "monitor/len_mean": (4 + 4 + 3 + 4) / 4,
+        "monitor/len_max": 4.0,
+        "monitor/truncated_frac": 0.5,
+        # group 0: bigrams 56 67 71 twice -> 3 distinct / 6; group 1: 56 61 | 89 99 99 -> 4 / 5
+        "monitor/ngram_unique": (3 / 6 + 4 / 5) / 2,
+        # rewards 1 1 0 1: mean 0.75, variance (3 * 0.25^2 + 0.75^2) / 4 = 0.1875
+        "monitor/reward_std": math.sqrt(0.1875),
+        "monitor/reward_spread": 1.0,
+        "monitor/reward_group_std": (0.0 + 0.5) / 2,  # group 1: 0 and 1 -> population std 0.5
+        "monitor/zero_adv_frac": 0.5,  # group 0 is uniform
+        "monitor/collapse_streak": 0.0,
+        "monitor/collapse": 0.0,
+    }
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value), key
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (1, (4 / 8 + 5 / 7) / 2),  # group 1 unigrams: 5 6 1 8 9 9 9 -> 5 distinct of 7
+        (3, (2 / 4 + 3 / 3) / 2),  # group 1: 561 | 899 999
+        (4, (1 / 2 + 1 / 1) / 2),  # row 2 has only 3 tokens: no 4-gram
+    ],
+)
+def test_unique_ngram_ratio_for_several_n(n, expected):
+    ratio = unique_ngram_ratio(torch.tensor(IDS), torch.tensor(MASK), torch.tensor(GROUP), n)
+    assert ratio == pytest.approx(expected)
+
+
+def test_unique_ngram_ratio_is_nan_without_ngrams():
+    assert math.isnan(unique_ngram_ratio(torch.tensor(IDS), torch.tensor(MASK), torch.tensor(GROUP), 5))
+    assert math.isnan(unique_ngram_ratio(torch.tensor(IDS), torch.zeros(4, 4), torch.tensor(GROUP), 1))
+
+
+def signals(entropy_low=False, diversity_low=False, width_low=False):
+    """Two groups of four, 3 tokens each. High: entropy 2, every bigram distinct (ratio 1), group rewards 0 0 1 1
+    (std 0.5). Low: entropy 0.5, every completion [5 6 7] (2 distinct bigrams of 8: 0.25), rewards all 1 (std 0)."""
+    ids = [[5, 6, 7]] * 8 if diversity_low else [[10 + 3 * r, 11 + 3 * r, 12 + 3 * r] for r in range(8)]
+    reward = [1.0] * 8 if width_low else [0.0, 0.0, 1.0, 1.0] * 2
+    rollout = make_rollout(ids, [[1, 1, 1]] * 8, [0] * 4 + [1] * 4, reward)
+    rollout.token_entropy = torch.full((8, 3), 0.5 if entropy_low else 2.0)
+    return rollout
+
+
+ALL_LOW = {"entropy_low": True, "diversity_low": True, "width_low": True}
+
+
+def test_collapse_warning_fires_after_patience_steps_of_all_three_low_and_once_per_episode():
+    monitor = RolloutMonitor(ngram=2, warmup=2, patience=2, collapse_fraction=0.5)
+    for step in range(2):
+        run_step(monitor, signals(), step)  # warmup: peaks 2, 1, 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_step(monitor, signals(**ALL_LOW), 2)["monitor/collapse_streak"] == 1.0
+    with pytest.warns(UserWarning, match="collapse") as caught:
+        logged = run_step(monitor, signals(**ALL_LOW), 3)
+    assert len(caught) == 1 and logged["monitor/collapse"] == 1.0
+    message = str(caught[0].message)
+    assert "possible collapse at step 3" in message and "for 2 consecutive steps" in message
+    for part in ("entropy 0.5 (peak 2)", "ngram_unique 0.25 (peak 1)", "reward_group_std 0 (peak 0.5)"):
+        assert part in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_step(monitor, signals(**ALL_LOW), 4)["monitor/collapse"] == 1.0  # same episode: no repeat
+        assert run_step(monitor, signals(), 5)["monitor/collapse"] == 0.0  # recovery re-arms the warning
+        run_step(monitor, signals(**ALL_LOW), 6)
+    with pytest.warns(UserWarning, match="possible collapse at step 7"):
+        run_step(monitor, signals(**ALL_LOW), 7)
+
+
+@pytest.mark.parametrize(
+    "low",
+    [
+        {"entropy_low": True},
+        {"diversity_low": True},
+        {"width_low": True},
+        {"entropy_low": True, "diversity_low": True},
+        {"entropy_low": True, "width_low": True},
+        {"diversity_low": True, "width_low": True},
+    ],
+)
+def test_no_warning_when_only_one_or_two_signals_fall(low):
+    monitor = RolloutMonitor(ngram=2, warmup=1, patience=2)
+    run_step(monitor, signals())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(1, 10):
+            assert run_step(monitor, signals(**low), step)["monitor/collapse_streak"] == 0.0
+
+
+def test_no_collapse_is_judged_during_warmup():
+    monitor = RolloutMonitor(ngram=2, warmup=3, patience=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, rollout in enumerate([signals(), signals(**ALL_LOW), signals(**ALL_LOW)]):
+            assert run_step(monitor, rollout, step)["monitor/collapse_streak"] == 0.0
+    with pytest.warns(UserWarning, match="at step 3"):
+        run_step(monitor, signals(**ALL_LOW), 3)
+
+
+def test_entropy_from_the_logged_metric_and_without_any_source():
+    def without_entropy(**kwargs):
+        rollout = signals(**kwargs)
+        del rollout.token_entropy
+        return rollout
+
+    logged = run_step(RolloutMonitor(), without_entropy(), entropy=torch.tensor(0.7))
+    assert logged["monitor/entropy"] == pytest.approx(0.7)
+
+    monitor = RolloutMonitor(ngram=2, warmup=1, patience=1, entropy_metric=None)
+    with pytest.warns(UserWarning, match="no token entropy this step"):
+        assert "monitor/entropy" not in run_step(monitor, without_entropy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no collapse without entropy, and the missing entropy is reported once
+        for step in range(1, 4):
+            logged = run_step(monitor, without_entropy(diversity_low=True, width_low=True), step)
+    assert logged["monitor/collapse_streak"] == 0.0
+
+
+def test_computed_entropy_matches_a_full_softmax_reference():
+    model = tiny_model("llama", seed=1).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(2, 60, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    rollout = make_rollout(ids.tolist(), mask.tolist(), [0, 0, 1], [0.0, 1.0, 0.0], prompt_len=3)
+    rollout.prompt_ids = torch.randint(2, 60, (3, 3))
+    with torch.no_grad():
+        logits = model(rollout.input_ids, attention_mask=rollout.attention_mask).logits[:, 2:-1]  # [3, 5, V]
+        logp = logits.double().log_softmax(-1)
+        reference = float((-(logp.exp() * logp).sum(-1) * mask).sum() / mask.sum())
+    for batch_size in (None, 1):
+        monitor, module = RolloutMonitor(compute_entropy=True, entropy_batch_size=batch_size), FakeModule(model)
+        monitor.on_rollout_end(fake_trainer(), module, rollout)
+        monitor.on_train_batch_end(fake_trainer(entropy=torch.tensor(-1.0)), module, None, None, 0)
+        assert module.logged["monitor/entropy"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ngram": 0}, "ngram=0 must be >= 1"),
+        ({"entropy_batch_size": 0}, "entropy_batch_size=0 must be >= 1"),
+        ({"collapse_fraction": 1.0}, r"collapse_fraction=1.0 must be in \(0, 1\)"),
+        ({"warmup": -1}, "warmup=-1 must be >= 0"),
+        ({"patience": 0}, "patience=0 must be >= 1"),
+    ],
+)
+def test_invalid_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutMonitor(**kwargs)
+
+
+def test_state_dict_round_trip_continues_the_streak(tmp_path):
+    monitor = RolloutMonitor(ngram=2, warmup=1, patience=3)
+    run_step(monitor, signals(), 0)
+    for step in (1, 2):
+        run_step(monitor, signals(**ALL_LOW), step)
+    torch.save(monitor.state_dict(), tmp_path / "state.pt")
+    restored = RolloutMonitor(ngram=2, warmup=1, patience=3)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert (
+        restored.state_dict()
+        == monitor.state_dict()
+        == {
+            "steps": 3,
+            "streak": 2,
+            "warned": False,
+            "peaks": {"entropy": 2.0, "ngram_unique": 1.0, "reward_group_std": 0.5},
+        }
+    )
+    with pytest.warns(UserWarning, match="possible collapse at step 3"):
+        run_step(restored, signals(**ALL_LOW), 3)
+
+
+# ---- inside a real Trainer with GPOModule --------------------------------------------------------------------
+
+
+def test_monitors_a_real_run_and_saves_its_state(tmp_path):
+    warnings.filterwarnings("ignore", module="lightning")
+    model = str(save_tiny_model(tmp_path / "model"))
+    data = str(write_jsonl(make_task("sort_digits", 64, seed=0), tmp_path / "train.jsonl"))
+    module = GPOModule(
+        model, [positional_match], group_size=4, engine=HFEngine(max_new_tokens=4), optim=Optimization(lr=1e-3),
+        export="none",
+    )  # fmt: skip
+    monitor = RolloutMonitor(compute_entropy=True, warmup=1)
+    trainer = L.Trainer(
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    logged = trainer.callback_metrics
+    # one update per step and no dropout: the training pass saw the same policy and tokens as the monitor
+    assert float(logged["monitor/entropy"]) == pytest.approx(float(logged["entropy"]), rel=1e-4)
+    assert float(logged["monitor/len_mean"]) == pytest.approx(float(logged["completion/len_mean"]))
+    assert float(logged["monitor/truncated_frac"]) == pytest.approx(float(logged["completion/truncated_frac"]))
+    assert 0 < float(logged["monitor/ngram_unique"]) <= 1
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
+    state = next(v for k, v in saved.items() if k.startswith("RolloutMonitor"))
+    assert state["steps"] == 3 and state["peaks"]["entropy"] > 0
