@@ -19,8 +19,9 @@ Reported per window of optimiser steps: the on-policy reward (mean reward of the
 before any filtering: the same unbiased measure in both runs; the reward of the rows DynamicSampling trains on
 is biased towards 0.5 by the filtering, so it is not compared), the fraction of informative groups in it, and
 every ``window`` steps the held-out reward (fixed prompts and seed, sampled and greedy). Cost: completion tokens
-generated, batches sampled, rollout / training seconds and wall time (held-out evaluation excluded). Means over
-seeds average the seeds whose run reached that step.
+generated, batches sampled, wall time (held-out evaluation excluded) and the rollout / training seconds that
+``GPOModule`` logs (on optimiser steps only: a skipped batch's rollouts count in the wall time, not there). Means
+over seeds average the seeds whose run reached that step.
 
 Run from the repository root (1 torch thread; results in ``benchmarks/results/dynamic_sampling_cpu.md``)::
 

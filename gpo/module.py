@@ -224,10 +224,11 @@ class GPOModule(LightningModule):
         """Sample ``group_size`` completions per prompt of ``batch`` and score them (``scores``, ``reward``).
 
         Callbacks call this to draw more (dynamic sampling); each call of a step gets its own seed, derived from
-        ``seed`` and the step, so a run is reproducible however many rounds it draws.
+        ``seed`` and the training batch, so a run is reproducible however many rounds it draws.
         """
         if seed is None:
-            seed = self.seed + self.global_step + 1_000_003 * self._seeds_used
+            batches = self.trainer.fit_loop.epoch_loop.total_batch_idx  # advances on skipped steps too
+            seed = self.seed + batches + 1_000_003 * self._seeds_used
             self._seeds_used += 1
         started = time.perf_counter()
         rollout = self.rollout(batch, seed=seed)
