@@ -7,7 +7,6 @@ from unittest.mock import Mock
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from gpo.callbacks.completion_samples import COLUMNS, CompletionSamples
@@ -16,26 +15,13 @@ from gpo.data import PromptDataModule
 from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
-from gpo.rollout.base import Rollout
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from tests.callbacks.grouped import grouped_rollout
 
 
 def make_rollout(prompts, completions, rewards):
-    """One group per prompt; ``completions[g]`` and ``rewards[g]`` list group g's completions and rewards."""
-    group = torch.tensor([g for g, row in enumerate(rewards) for _ in row])
-    size = len(group)
-    return Rollout(
-        prompt_ids=torch.ones(size, 1, dtype=torch.long),
-        prompt_mask=torch.ones(size, 1, dtype=torch.long),
-        completion_ids=torch.ones(size, 2, dtype=torch.long),
-        completion_mask=torch.ones(size, 2, dtype=torch.long),
-        truncated=torch.zeros(size, dtype=torch.bool),
-        group=group,
-        prompts=[p for p, row in zip(prompts, rewards, strict=True) for _ in row],
-        completions=[c for row in completions for c in row],
-        reward=torch.tensor([r for row in rewards for r in row]),
-    )
+    return grouped_rollout(prompts, rewards, completions=completions)
 
 
 def fake_trainer(log_dir, step=7, loggers=(), zero=True):

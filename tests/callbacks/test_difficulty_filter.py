@@ -11,8 +11,8 @@ from gpo.callbacks.difficulty_filter import DifficultyFilter, select_prompts
 from gpo.data import PromptDataModule
 from gpo.module import GPOModule, Optimization
 from gpo.rollout import HFEngine
-from gpo.rollout.base import Rollout
 from gpo.testing import save_tiny_model
+from tests.callbacks.grouped import grouped_rollout
 
 
 class FakeModule:
@@ -24,20 +24,7 @@ class FakeModule:
 
 
 def make_rollout(prompts, rewards, fields=None):
-    """One group per prompt; ``rewards[g]`` lists the rewards of group g's completions."""
-    group = torch.tensor([g for g, row in enumerate(rewards) for _ in row])
-    size = len(group)
-    return Rollout(
-        prompt_ids=torch.ones(size, 1, dtype=torch.long),
-        prompt_mask=torch.ones(size, 1, dtype=torch.long),
-        completion_ids=torch.ones(size, 2, dtype=torch.long),
-        completion_mask=torch.ones(size, 2, dtype=torch.long),
-        truncated=torch.zeros(size, dtype=torch.bool),
-        group=group,
-        prompts=[p for p, row in zip(prompts, rewards, strict=True) for _ in row],
-        fields={k: [v for v, row in zip(vs, rewards, strict=True) for _ in row] for k, vs in (fields or {}).items()},
-        reward=torch.tensor([r for row in rewards for r in row]),
-    )
+    return grouped_rollout(prompts, rewards, fields=fields)
 
 
 def make_batch(prompts, fields=None):
