@@ -143,7 +143,7 @@ class GPOModule(LightningModule):
         # The frozen reference is kept out of the module's children: no optimiser, checkpoint or summary sees it.
         needs_reference = kl is not None and kl.beta > 0 and not is_peft(self.policy)
         self._reference = (copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval(),) if needs_reference else ()
-        self._extra_prompts, self._seeds_used, self._rollout_time = None, 0, 0.0
+        self._extra_prompts, self._seeds_used, self._rollout_time, self._generated_tokens = None, 0, 0.0, 0.0
 
     @staticmethod
     def _check_arguments(rewards, group_size: int, old_logprobs: str, export: str) -> None:
@@ -216,7 +216,8 @@ class GPOModule(LightningModule):
         metrics = self._optimise(rollout, adv, mask)
         metrics.update(self._rollout_metrics(rollout, adv, mask))
         training_time = time.perf_counter() - started - sampling_time
-        metrics.update(_throughput(rollout, self._rollout_time, sampling_time - self._rollout_time, training_time))
+        times = (self._rollout_time, sampling_time - self._rollout_time, training_time)
+        metrics.update(_throughput(rollout, self._generated_tokens, *times))
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
         self.log("reward", float(rollout.reward.mean()), prog_bar=True, on_step=True)
 
@@ -233,6 +234,7 @@ class GPOModule(LightningModule):
         started = time.perf_counter()
         rollout = self.rollout(batch, seed=seed)
         self._rollout_time += time.perf_counter() - started
+        self._generated_tokens += float(rollout.completion_mask.sum())  # every round, kept or not
         rollout.scores = score(self.rewards, rollout).to(self.device)  # [B, K]
         reward = self.mixer(rollout.scores, rollout.group)  # [B]
         if self.kl is not None and self.kl.beta > 0 and self.kl.placement == "reward":
@@ -267,7 +269,7 @@ class GPOModule(LightningModule):
 
     def _prompt_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Callbacks defining ``on_prompts(trainer, module, batch)`` may return a filtered batch of prompts."""
-        self._rollout_time = 0.0
+        self._rollout_time, self._generated_tokens = 0.0, 0.0
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_prompts", None)
             if hook is not None:
@@ -418,8 +420,10 @@ def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, w
     return router_logprobs(router_logits, batch_size)[:, :, -width - 1 : -1]
 
 
-def _throughput(rollout: Rollout, rollout_s: float, scoring_s: float, training_s: float) -> dict[str, float]:
-    generated = float(rollout.completion_mask.sum())
+def _throughput(
+    rollout: Rollout, generated: float, rollout_s: float, scoring_s: float, training_s: float
+) -> dict[str, float]:
+    """Step time split and tokens/s: ``generated`` counts every sampled round, ``rollout`` is what trained."""
     processed = float(rollout.attention_mask.sum())
     return {
         "time/rollout_s": rollout_s,
