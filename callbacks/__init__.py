@@ -11,6 +11,13 @@ Besides Lightning's hooks, gpo's trainer calls two extra ones on every callback 
 from gpo.callbacks.completion_samples import CompletionSamples
 from gpo.callbacks.difficulty_filter import DifficultyFilter
 from gpo.callbacks.dynamic_sampling import DynamicSampling
+from gpo.callbacks.resume_checkpoint import ResumeCheckpoint
 from gpo.callbacks.rollout_monitor import RolloutMonitor
 
-__all__ = ["CompletionSamples", "DifficultyFilter", "DynamicSampling", "RolloutMonitor"]
+__all__ = [
+    "CompletionSamples",
+    "DifficultyFilter",
+    "DynamicSampling",
+    "ResumeCheckpoint",
+    "RolloutMonitor",
+]

@@ -7,16 +7,21 @@ import argparse
 import os
 import sys
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
+from gpo.callbacks import ResumeCheckpoint
 from gpo.data import PromptDataModule
 from gpo.module import GPOModule
 
 
 class GPOCLI(LightningCLI):
-    """LightningCLI whose data module reads the policy's tokenizer unless told otherwise, and which logs to CSV and
-    TensorBoard under ``trainer.default_root_dir`` unless ``--trainer.logger`` says otherwise."""
+    """LightningCLI whose data module reads the policy's tokenizer unless told otherwise, which logs to CSV and
+    TensorBoard under ``trainer.default_root_dir`` unless ``--trainer.logger`` says otherwise, and which keeps
+    ``<default_root_dir>/checkpoints/last.ckpt`` current (``ResumeCheckpoint``) unless ``trainer.callbacks`` holds a
+    ``ModelCheckpoint`` or ``trainer.enable_checkpointing`` is false. ``--ckpt_path last`` resumes the run and
+    appends to its newest log folder."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.policy", "data.tokenizer")
@@ -24,16 +29,33 @@ class GPOCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
         trainer = {**self._get(self.config_init, "trainer", default={})}
+        root = trainer.get("default_root_dir") or os.getcwd()
         if trainer.get("logger") in (None, True) and "logger" not in kwargs:
-            kwargs["logger"] = default_loggers(trainer.get("default_root_dir") or os.getcwd())
+            resuming = self.subcommand == "fit" and self._get(self.config_init, "ckpt_path") is not None
+            kwargs["logger"] = default_loggers(root, resume=resuming)
+        configured = _as_list(trainer.get("callbacks"))
+        callbacks = [*configured, *(self._get(self.config_init, k) for k in self._callback_keys())]
+        wants_checkpoints = trainer.get("enable_checkpointing") is not False
+        if wants_checkpoints and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            kwargs["callbacks"] = [*configured, ResumeCheckpoint()]
         return super().instantiate_trainer(**kwargs)
 
+    def _callback_keys(self) -> list[str]:
+        return list(self._parser(self.subcommand).callback_keys) if self.subcommand else []
 
-def default_loggers(root: str) -> list[Logger]:
-    """CSV and TensorBoard loggers sharing ``<root>/lightning_logs/version_N/`` (TensorBoard's files in ``tb/``).
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+def default_loggers(root: str, resume: bool = False) -> list[Logger]:
+    """CSV and TensorBoard loggers sharing ``<root>/lightning_logs/version_N/`` (TensorBoard's files in ``tb/``);
+    ``resume`` continues the newest existing version instead of starting a new one.
 
     The CSV logger comes first, so the saved ``config.yaml`` lands next to ``metrics.csv``."""
     csv = CSVLogger(root)
+    if resume and csv.version > 0:
+        csv = CSVLogger(root, version=csv.version - 1)  # the next free version minus one: the newest run
     return [csv, TensorBoardLogger(root, version=csv.version, sub_dir="tb", default_hp_metric=False)]
 
 

@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gpo.checks import check_pretrained_folder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,16 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     if path.stat().st_size == 0:
         return []
     return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
+    """A prompt's token ids, wrapped in the tokenizer's chat template as a user turn when ``chat_template``."""
+    if not chat_template:
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -80,76 +92,150 @@ class PromptDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step={prompts_per_step} must be >= 1.")
+            raise ValueError(f"data.prompts_per_step={prompts_per_step} must be >= 1 (prompts per training step).")
         if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={max_prompt_length} must be >= 1.")
+            raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1 (the longest prompt in tokens).")
         if long_prompts not in ("error", "truncate"):
-            raise ValueError(f"long_prompts={long_prompts!r} is not valid; choose 'error' or 'truncate'.")
+            raise ValueError(f"data.long_prompts={long_prompts!r} is not valid; choose 'error' or 'truncate'.")
         if val_size < 0:
-            raise ValueError(f"val_size={val_size} must be >= 0.")
+            raise ValueError(f"data.val_size={val_size} must be >= 0 (0: no held-out rows).")
         self.path, self.val_path, self.val_size = path, val_path, val_size
         self.tokenizer_path, self.prompt_column = tokenizer, prompt_column
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
         self.long_prompts, self.chat_template, self.seed = long_prompts, chat_template, seed
         self.train_rows: list[dict[str, Any]] = []
         self.val_rows: list[dict[str, Any]] = []
+        self.columns: dict[str, list[str]] = {}  # each file's columns, keyed "data.path='...'"; set by setup
+        self.longest_prompt: tuple[int, str] = (0, "no prompt")  # tokens, and which row; set by setup
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
         if self.tokenizer_path is None:
             raise ValueError("PromptDataModule needs tokenizer= (the policy's folder; `gpo fit` links it).")
+        check_pretrained_folder(self.tokenizer_path, "data.tokenizer", "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        rows = self._prepare(load_records(self.path), tokenizer, self.path)
+        rows = self._prepare(tokenizer, "path")
         if self.val_path is not None:
-            self.train_rows, self.val_rows = rows, self._prepare(load_records(self.val_path), tokenizer, self.val_path)
+            self.train_rows, self.val_rows = rows, self._prepare(tokenizer, "val_path")
         else:
             if self.val_size >= len(rows):
-                raise ValueError(f"val_size={self.val_size} leaves no training rows out of {len(rows)}.")
+                raise ValueError(
+                    f"data.val_size={self.val_size} leaves no training rows out of {len(rows)}; hold out fewer."
+                )
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.seed)).tolist()
             cut = len(rows) - self.val_size
             self.train_rows = [rows[i] for i in order[:cut]]
             self.val_rows = [rows[i] for i in order[cut:]]
 
-    def _prepare(self, records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, source: str) -> list[dict]:
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase, name: str) -> list[dict]:
+        """The rows of the file in argument ``name`` (``path`` or ``val_path``), tokenised and checked."""
+        path = getattr(self, name)
+        source = f"data.{name}={str(path)!r}"
+        try:
+            records = load_records(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"data.{name}: {err}") from err
         if not records:
-            raise ValueError(f"{source} has no rows; a prompt dataset needs at least one.")
+            raise ValueError(f"{source} has no rows; point data.{name} at a file with at least one prompt.")
         if self.prompt_column not in records[0]:
             raise ValueError(
                 f"{source} has no column {self.prompt_column!r} (prompt_column); its columns are: "
-                f"{', '.join(records[0])}."
+                f"{', '.join(records[0])}. Set data.prompt_column to the column holding the prompt text."
             )
+        self.columns[source] = list(records[0])
         use_template = self.chat_template if self.chat_template is not None else bool(tokenizer.chat_template)
         if use_template and not tokenizer.chat_template:
-            raise ValueError("chat_template=True but the tokenizer has no chat template; set chat_template: false.")
+            raise ValueError(
+                "data.chat_template=True but the tokenizer has no chat template; set data.chat_template: false."
+            )
         prepared, cut = [], 0
         for index, record in enumerate(records):
             text = record[self.prompt_column]
-            if use_template:
-                encoded = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{source} row {index}: column {self.prompt_column!r} (data.prompt_column) holds {text!r:.80}, "
+                    "not text; give every row a prompt string."
                 )
-                ids = list(encoded["input_ids"])
-            else:
-                ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            ids = _tokenize(tokenizer, text, use_template)
             if len(ids) > self.max_prompt_length:
                 if self.long_prompts == "error":
                     raise ValueError(
                         f"{source} row {index}: the prompt is {len(ids)} tokens, over max_prompt_length="
-                        f"{self.max_prompt_length}. Raise max_prompt_length or set long_prompts: truncate."
+                        f"{self.max_prompt_length}. Raise data.max_prompt_length or set data.long_prompts: truncate."
                     )
                 ids, cut = ids[-self.max_prompt_length :], cut + 1
+            if len(ids) > self.longest_prompt[0]:
+                self.longest_prompt = (len(ids), f"{source} row {index}")
             fields = {k: v for k, v in record.items() if k != self.prompt_column}
             prepared.append({"prompt_ids": ids, "prompt": text, **fields})
         if cut:
             log.warning("%s: %d prompts longer than %d tokens were truncated.", source, cut, self.max_prompt_length)
         return prepared
 
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.train_rows, batch_size=self.prompts_per_step, shuffle=True, generator=generator, collate_fn=collate
-        )
+    def train_dataloader(self) -> PromptLoader:
+        trainer = self.trainer
+
+        def batches_trained() -> int:  # what the fit loop has finished of this epoch, prefetched batches excluded
+            return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+
+        return PromptLoader(self.train_rows, self.prompts_per_step, seed=self.seed, batches_trained=batches_trained)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
+
+
+class EpochOrder(Sampler[int]):
+    """Row order of one epoch: a permutation drawn from ``(seed, epoch)`` alone, so any epoch can be replayed.
+
+    ``resume(epoch, rows_done)`` makes the next pass over that epoch skip its first ``rows_done`` rows (once);
+    ``len`` stays the whole epoch, as Lightning's loop expects of a resumed loader.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self._skip = 0, (0, 0)
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at the start of every epoch
+        self.epoch = epoch
+
+    def resume(self, epoch: int, rows_done: int) -> None:
+        self.epoch, self._skip = epoch, (epoch, rows_done)
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self):
+        skip_epoch, rows_done = self._skip
+        self._skip = (0, 0)
+        start = rows_done if skip_epoch == self.epoch else 0
+        yield from self.order(self.epoch)[start:]
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class PromptLoader(DataLoader):
+    """Batches of prompts whose place in the run can be saved and restored (Lightning calls ``state_dict`` when it
+    checkpoints and ``load_state_dict`` before the first batch of a resumed run).
+
+    Args:
+        rows: prepared prompt rows.
+        batch_size: prompts per batch.
+        seed: shuffle seed; epoch ``e`` uses the permutation of ``seed + e``.
+        batches_trained: how many batches of the current epoch have been trained on when a checkpoint is written
+            (the training loop's count: a loader cannot tell a batch trained on from one only prefetched).
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], batch_size: int, *, seed: int, batches_trained) -> None:
+        self.order = EpochOrder(len(rows), seed)
+        super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate)
+        self.batches_trained = batches_trained
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.order.epoch, "batches_done": int(self.batches_trained())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.order.resume(state["epoch"], state["batches_done"] * self.batch_size)

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -34,27 +35,32 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         if self.r < 1:
-            raise ValueError(f"lora.r={self.r} must be >= 1.")
+            raise ValueError(f"model.lora.r={self.r} must be >= 1 (16 is usual).")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha={self.alpha} must be > 0 (the update is scaled by alpha / r).")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1).")
+            raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1) (0 disables it).")
 
 
 def check_trainer_mode(mode: str) -> None:
     """Refuse unknown modes, and QLoRA where it cannot run, before any weights are loaded."""
     if mode not in ("full", "lora", "qlora"):
-        raise ValueError(f"trainer_mode={mode!r} is not valid; choose 'full', 'lora' or 'qlora'.")
+        raise ValueError(f"model.trainer_mode={mode!r} is not valid; choose 'full', 'lora' or 'qlora'.")
     if mode == "qlora":
         if not torch.cuda.is_available():
             raise ValueError(
-                "trainer_mode='qlora' needs a CUDA GPU (4-bit bitsandbytes kernels); on CPU use trainer_mode='lora'."
+                "model.trainer_mode='qlora' needs a CUDA GPU (4-bit bitsandbytes kernels); on CPU use "
+                "trainer_mode='lora'."
             )
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError("trainer_mode='qlora' needs bitsandbytes: pip install bitsandbytes.")
+            raise ValueError("model.trainer_mode='qlora' needs bitsandbytes: pip install bitsandbytes.")
 
 
 def load_policy(path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSettings | None) -> PreTrainedModel:
     """The trainable policy: the model itself (``full``) or a peft model with a LoRA adapter."""
     check_trainer_mode(mode)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"model.dtype={dtype!r} is not valid; choose 'float32', 'bfloat16' or 'float16'.")
     kwargs = {"dtype": getattr(torch, dtype)}
     if mode == "qlora":
         from transformers import BitsAndBytesConfig
@@ -62,7 +68,15 @@ def load_policy(path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSetting
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, dtype)
         )
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if Path(path).exists():
+            raise
+        raise FileNotFoundError(
+            f"model.policy={path!r} is not a local folder (looked for {Path(path).absolute()}) and could not be "
+            f"loaded as a hub model id; point it at a folder written by save_pretrained. ({err})"
+        ) from err
     return model if mode == "full" else add_lora(model, lora or LoraSettings(), quantized=mode == "qlora")
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -12,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 from lightning import LightningModule
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -31,6 +35,17 @@ from gpo.algo import (
 )
 from gpo.algo.gates import router_logprobs
 from gpo.algo.objective import PolicyObjective
+from gpo.checkpointing import AtomicCheckpointIO
+from gpo.checks import (
+    check_context,
+    check_minibatches,
+    check_pretrained_folder,
+    check_reward_columns,
+    check_reward_signature,
+    check_tokenizer,
+    warn_if_no_trust_region,
+)
+from gpo.data import PromptDataModule
 from gpo.export import ExportMode, export_policy
 from gpo.models import (
     DType,
@@ -43,10 +58,13 @@ from gpo.models import (
     unwrap,
 )
 from gpo.policy import completion_logprobs
+from gpo.random_state import capture_random_state, restore_random_state
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.rollout.hf import HFEngine
-from gpo.scoring import RewardFn, reward_name, score
+from gpo.scoring import RewardErrors, RewardFn, reward_name, score
 from gpo.settings import Evaluation, Optimization
+
+log = logging.getLogger(__name__)
 
 OldLogprobs = Literal["rollout", "batch"]
 SUPPLIED_GATE_INPUTS = frozenset({"router_logp", "old_router_logp"})
@@ -84,6 +102,8 @@ class GPOModule(LightningModule):
         evaluation: held-out evaluation settings.
         export: at the end of training save the policy as a transformers folder (``merged``: LoRA merged into
             the weights; ``adapter``: the adapter alone; ``none``: no export) under ``<log dir>/export``.
+        reward_errors: what a reward function that raises, hangs or returns bad values does to the run: ``fail``
+            (default, with the function and prompt named) or ``score`` the samples concerned as a fixed value.
         seed: seeds the rollout sampling of each step (``seed + global_step``).
     """
 
@@ -112,11 +132,12 @@ class GPOModule(LightningModule):
         tokenizer: str | PreTrainedTokenizerBase | None = None,
         evaluation: Evaluation | None = None,
         export: ExportMode = "merged",
+        reward_errors: RewardErrors | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self._check_arguments(rewards, group_size, ppo_clip_ref_logprobs, export)
+        self._check_arguments(policy, rewards, group_size, ppo_clip_ref_logprobs, export, knobs, mixer, tokenizer)
         self.engine = engine or HFEngine()
         preset = build_algorithm(algorithm, self._complete_knobs(knobs, group_size))
         self.advantage = advantage or preset.advantage
@@ -133,6 +154,7 @@ class GPOModule(LightningModule):
         self.ppo_clip_ref_logprobs, self.kl, self.correction = ppo_clip_ref_logprobs, kl, correction
         self.mask_truncated_completions, self.seed = mask_truncated_completions, seed
         self.evaluation, self.export = evaluation or Evaluation(), export
+        self.reward_errors, self._reward_errors_seen = reward_errors or RewardErrors(), defaultdict(int)
         self.policy = (
             policy
             if isinstance(policy, torch.nn.Module)
@@ -144,17 +166,42 @@ class GPOModule(LightningModule):
         needs_reference = kl is not None and kl.beta > 0 and not is_peft(self.policy)
         self._reference = (copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval(),) if needs_reference else ()
         self._extra_prompts, self._seeds_used, self._rollout_time, self._generated_tokens = None, 0, 0.0, 0.0
+        self._extra_batches_drawn, self._nonfinite_streak, self._restored_random_state = 0, 0, None
 
     @staticmethod
-    def _check_arguments(rewards, group_size: int, old_logprobs: str, export: str) -> None:
+    def _check_arguments(policy, rewards, group_size, old_logprobs, export, knobs, mixer, tokenizer) -> None:
+        """What can be refused from the arguments alone, before any weights load (the rest: ``setup``)."""
+        if isinstance(policy, str):
+            check_pretrained_folder(policy, "model.policy", "model")
+        field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
+        if isinstance(path, str):
+            check_pretrained_folder(path, field, "tokenizer")
         if not rewards:
-            raise ValueError("rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
+            raise ValueError(
+                "model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match)."
+            )
+        for index, fn in enumerate(rewards):
+            check_reward_signature(fn, index)
+        weights = getattr(mixer, "weights", None)
+        if weights is not None and len(weights) != len(rewards):
+            raise ValueError(
+                f"model.mixer ({type(mixer).__name__}) has {len(weights)} weights for the {len(rewards)} functions "
+                "in model.rewards; give one weight per reward function, in the same order."
+            )
         if group_size < 2:
-            raise ValueError(f"group_size={group_size}: group-relative advantages need at least 2 completions.")
+            raise ValueError(
+                f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
+                "set it to >= 2 (8 is usual)."
+            )
+        if knobs is not None and knobs.group_size not in (group_size, AlgorithmKnobs().group_size):
+            raise ValueError(
+                f"model.knobs.group_size={knobs.group_size} is not used: model.group_size={group_size} sets the "
+                f"group size. Set model.group_size: {knobs.group_size} and remove knobs.group_size."
+            )
         if old_logprobs not in ("rollout", "batch"):
-            raise ValueError(f"ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
+            raise ValueError(f"model.ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
         if export not in ("merged", "adapter", "none"):
-            raise ValueError(f"export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")
+            raise ValueError(f"model.export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")
 
     def _complete_knobs(self, knobs: AlgorithmKnobs | None, group_size: int) -> AlgorithmKnobs:
         """The preset knobs with the module's group size and, unless set, the engine's generation budget."""
@@ -186,7 +233,18 @@ class GPOModule(LightningModule):
     def setup(self, stage: str) -> None:
         if self.tokenizer is None:
             raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
+        embedding_rows = self.model.get_input_embeddings().num_embeddings
+        check_tokenizer(self.tokenizer, "model.tokenizer, by default model.policy's folder", embedding_rows)
+        data = self._trainer.datamodule if self._trainer is not None else None
+        if isinstance(data, PromptDataModule):  # checks against the loaded prompts, before any sampling
+            check_reward_columns(self.rewards, data.columns, data.prompt_column)
+            budget = getattr(getattr(self.engine, "sampling", None), "max_new_tokens", None)
+            check_context(data.longest_prompt, budget, getattr(self.model.config, "max_position_embeddings", None))
+            check_minibatches(data.prompts_per_step, self.group_size, self.optim.number_of_minibatches)
+        warn_if_no_trust_region(self.optim.number_of_minibatches * self.optim.ppo_epochs, self.gate)
         self.engine.setup(self.model, self.tokenizer)
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_fit_start(self) -> None:
         # Dropout (if any) acts only in the gradient pass: sampling and scoring run in eval mode (see training_mode).
@@ -195,7 +253,31 @@ class GPOModule(LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
+        self.optim.lr_factor(self.optim.warmup_steps, total)  # a schedule that needs max_steps fails here
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.optim.lr_factor(step, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- resume: what a checkpoint needs beyond weights, optimiser, scheduler and loop counters ---------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["gpo"] = {
+            "random_state": capture_random_state(),
+            "extra_batches_drawn": self._extra_batches_drawn,
+            "nonfinite_streak": self._nonfinite_streak,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("gpo", {})
+        self._extra_batches_drawn = state.get("extra_batches_drawn", 0)
+        self._nonfinite_streak = state.get("nonfinite_streak", 0)
+        self._restored_random_state = state.get("random_state")
+
+    def on_train_start(self) -> None:
+        if self._restored_random_state is not None:  # put back last, so nothing between restore and step 1 draws
+            restore_random_state(self._restored_random_state)
+            self._restored_random_state = None
 
     # ---- one training step ------------------------------------------------------------------------------------
 
@@ -235,7 +317,10 @@ class GPOModule(LightningModule):
         rollout = self.rollout(batch, seed=seed)
         self._rollout_time += time.perf_counter() - started
         self._generated_tokens += float(rollout.completion_mask.sum())  # every round, kept or not
-        rollout.scores = score(self.rewards, rollout).to(self.device)  # [B, K]
+        scored = score(self.rewards, rollout, self.reward_errors)
+        rollout.scores = scored.values.to(self.device)  # [B, K]
+        for name, count in scored.replaced.items():
+            self._reward_errors_seen[name] += count
         reward = self.mixer(rollout.scores, rollout.group)  # [B]
         if self.kl is not None and self.kl.beta > 0 and self.kl.placement == "reward":
             mask = rollout.completion_mask
@@ -244,13 +329,21 @@ class GPOModule(LightningModule):
         return rollout
 
     def next_prompt_batch(self) -> dict[str, Any]:
-        """Another batch of training prompts (for callbacks that draw more), from its own pass over the data."""
-        if self._extra_prompts is None:
-            self._extra_prompts = iter(self.trainer.train_dataloader)
+        """Another batch of training prompts (for callbacks that draw more), from passes over the data of their own.
+
+        Pass ``k`` is shuffled by ``seed + k`` alone and the count drawn is checkpointed, so a resumed run draws
+        the same batches (for map-style datasets; an iterable dataset is simply iterated again)."""
+        loader = self.trainer.train_dataloader
+        per_pass = _batches_per_pass(loader)
+        passes, offset = divmod(self._extra_batches_drawn, per_pass or 1)
+        if self._extra_prompts is None or offset == 0:
+            extra = _reshuffled(loader, self.seed + 1 + passes) if per_pass else loader
+            self._extra_prompts = itertools.islice(iter(extra), offset, None)
+        self._extra_batches_drawn += 1
         try:
             return next(self._extra_prompts)
-        except StopIteration:
-            self._extra_prompts = iter(self.trainer.train_dataloader)
+        except StopIteration:  # an iterable dataset ran out: start it again
+            self._extra_prompts = iter(loader)
             return next(self._extra_prompts)
 
     def rollout(self, batch: dict[str, Any], *, seed: int | None = None, greedy: bool = False, n: int | None = None):
@@ -270,6 +363,7 @@ class GPOModule(LightningModule):
     def _prompt_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Callbacks defining ``on_prompts(trainer, module, batch)`` may return a filtered batch of prompts."""
         self._rollout_time, self._generated_tokens = 0.0, 0.0
+        self._reward_errors_seen.clear()  # a skipped step's counts are not the next step's
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_prompts", None)
             if hook is not None:
@@ -320,7 +414,8 @@ class GPOModule(LightningModule):
         """Everything the updates of this step need that does not change while the policy moves."""
         single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
         use_rollout = self.ppo_clip_ref_logprobs == "rollout" and rollout.logp is not None
-        need_train_old = self.correction is not None or not (use_rollout or single_update)
+        separate_sampler = rollout.logp is not None and not self.engine.shares_policy_weights  # mismatch to log
+        need_train_old = self.correction is not None or separate_sampler or not (use_rollout or single_update)
         train_old = self._policy_logp(rollout) if need_train_old else None
         inputs = {"old_logp": rollout.logp if use_rollout else train_old, "weight": None}
         metrics = {}
@@ -335,30 +430,57 @@ class GPOModule(LightningModule):
     def _optimise(self, rollout: Rollout, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
         """``ppo_epochs x number_of_minibatches`` optimiser steps on one rollout; returns averaged diagnostics."""
         inputs, step_metrics = self._step_inputs(rollout, mask)
-        optimizer = self.optimizers()
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         sums: dict[str, float] = defaultdict(float)
-        updates = 0
+        updates = skipped = 0
         for _ in range(self.optim.ppo_epochs):
-            order = torch.randperm(len(rollout)) if updates else torch.arange(len(rollout))
+            order = torch.randperm(len(rollout)) if updates + skipped else torch.arange(len(rollout))
             for rows in order.to(self.device).chunk(self.optim.number_of_minibatches):
                 normaliser = self.aggregator.normaliser(mask[rows])
                 optimizer.zero_grad()
+                minibatch_loss = 0.0
                 for micro in rows.split(self.optim.micro_batch_size or len(rows)):
                     loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
                     self.manual_backward(loss)
-                    sums["loss"] += float(loss.detach())  # micro-batch losses add up to the minibatch loss
+                    minibatch_loss += float(loss.detach())  # micro-batch losses add up to the minibatch loss
                     for key, value in metrics.items():
                         sums[key] += float(value) * len(micro) / len(rollout)
-                if self.optim.max_grad_norm is not None:
-                    norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.optim.max_grad_norm)
-                    sums["grad/norm"] += float(norm)
+                max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
+                norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+                if not (math.isfinite(minibatch_loss) and math.isfinite(norm)):
+                    self._skip_nonfinite(minibatch_loss, norm)  # names the parameters, so before zero_grad
+                    optimizer.zero_grad()
+                    skipped += 1
+                    continue
+                sums["loss"] += minibatch_loss
+                sums["grad/norm"] += norm
                 optimizer.step()
-                updates += 1
+                scheduler.step()
+                self._nonfinite_streak, updates = 0, updates + 1
         out = {key: value / self.optim.ppo_epochs for key, value in sums.items()}
         for per_update in ("loss", "grad/norm"):
-            if per_update in sums:
-                out[per_update] = sums[per_update] / updates
+            out[per_update] = sums[per_update] / updates if updates else math.nan
+        out["train/nonfinite_skipped"] = float(skipped)
+        out["train/lr"] = optimizer.param_groups[0]["lr"]
         return {**out, **step_metrics}
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """Log an update dropped for a NaN/inf loss or gradient; stop after too many in a row."""
+        self._nonfinite_streak += 1
+        bad = [name for name, p in self.policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+        what = f"loss={loss}" if not math.isfinite(loss) else f"gradient norm={grad_norm}"
+        where = f" (non-finite gradients in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
+        step = self.trainer.global_step
+        log.warning(
+            "optimiser step %d: %s%s; update skipped, weights unchanged (%d in a row)",
+            step, what, where, self._nonfinite_streak,
+        )  # fmt: skip
+        if self._nonfinite_streak >= self.optim.max_consecutive_nonfinite:
+            raise FloatingPointError(
+                f"{self._nonfinite_streak} updates in a row had a non-finite loss or gradient (last at optimiser "
+                f"step {step}: {what}{where}). Stopping. Lower optim.lr, check the rewards and the policy's "
+                "dtype, or raise optim.max_consecutive_nonfinite to tolerate more."
+            )
 
     def _micro_loss(self, rollout, adv, mask, inputs, rows, normaliser) -> tuple[Tensor, dict]:
         width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
@@ -396,6 +518,9 @@ class GPOModule(LightningModule):
         }
         for k, fn in enumerate(self.rewards):
             metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
+        for name, count in self._reward_errors_seen.items():  # samples scored as reward_errors.value this step
+            metrics[f"reward_errors/{name}"] = torch.tensor(float(count))
+        self._reward_errors_seen.clear()
         return metrics
 
     # ---- evaluation and export --------------------------------------------------------------------------------
@@ -404,8 +529,11 @@ class GPOModule(LightningModule):
         e = self.evaluation
         for kind, n, greedy in (("greedy", 1, True), ("sampled", e.samples, False)):
             rollout = self.rollout(batch, seed=e.seed + batch_idx, greedy=greedy, n=n)
-            reward = self.mixer(score(self.rewards, rollout).to(self.device), rollout.group)  # no KL: not training
+            scored = score(self.rewards, rollout, self.reward_errors)
+            reward = self.mixer(scored.values.to(self.device), rollout.group)  # no KL: not training
             size = len(batch["prompt"])
+            for name, count in scored.replaced.items():
+                self.log(f"val/reward_errors_{kind}/{name}", float(count), batch_size=size, reduce_fx="sum")
             self.log(f"val/reward_{kind}", reward.mean(), batch_size=size, prog_bar=kind == "greedy")
             self.log(f"val/pass@1_{kind}", (reward >= e.pass_threshold).float().mean(), batch_size=size)
 
@@ -432,3 +560,20 @@ def _throughput(
         "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
         "throughput/training_tokens_per_s": processed / max(training_s, 1e-9),
     }
+
+
+def _batches_per_pass(loader) -> int | None:
+    """Batches in one pass over a map-style dataset with a fixed batch size; None for anything else."""
+    try:
+        rows = len(loader.dataset)
+    except TypeError:
+        return None
+    return math.ceil(rows / loader.batch_size) if loader.batch_size else None
+
+
+def _reshuffled(loader, seed: int) -> torch.utils.data.DataLoader:
+    """``loader``'s rows and batching in an order drawn from ``seed`` alone."""
+    order = torch.utils.data.RandomSampler(loader.dataset, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn
+    )

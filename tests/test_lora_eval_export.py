@@ -129,9 +129,10 @@ def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, 
     lora = ["--model.trainer_mode=lora", "--model.lora.r=2", "--model.lora.dropout=0.0"] if mode == "lora" else []
     run = ["--model.group_size=2", "--model.optim.lr=0.01", "--trainer.max_steps=3", f"--data.path={data}"]
     where = [f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.enable_progress_bar=false"]
-    main(["fit", f"--model.policy={model}", "--model.rewards=[gpo.rewards.positional_match]", *run, *where, *lora])
+    reward = '--model.rewards=[{"class_path": "gpo.rewards.LengthPenalty", "init_args": {"max_tokens": 2}}]'
+    main(["fit", f"--model.policy={model}", reward, *run, *where, *lora])  # lengths differ from step 1: it trains
     version = tmp_path / "run" / "lightning_logs" / "version_0"
-    (checkpoint,) = (version / "checkpoints").glob("*.ckpt")
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*.ckpt")  # last.ckpt: the weights after the last step
     main(["export", str(version / "config.yaml"), str(checkpoint), str(tmp_path / "exported")])
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")

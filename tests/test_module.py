@@ -11,6 +11,7 @@ from gpo.data import PromptDataModule
 from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
+from gpo.scoring import RewardErrors
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 
@@ -148,3 +149,24 @@ def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
     logged = trainer.callback_metrics
     assert ("kl/mean" in logged) == (placement == "loss")
     assert "correction/weight_mean" in logged and torch.isfinite(logged["loss"])
+
+
+def test_a_reward_that_fails_under_the_score_policy_is_scored_and_counted(workspace):
+    def nan_first(prompts, completions, **_):
+        return [float("nan")] + [0.5] * (len(completions) - 1)
+
+    def raises(prompts, completions, **_):
+        raise KeyError("answer")
+
+    model, data = workspace
+    errors = RewardErrors(policy="score", value=-1.0)
+    module = GPOModule(
+        model, [nan_first, raises], engine=HFEngine(max_new_tokens=2), group_size=2, reward_errors=errors
+    )
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+    # 2 prompts x 2 completions: nan_first fails row 0 only, raises fails all 4 rows
+    assert trainer.callback_metrics["reward_errors/nan_first"] == 1
+    assert trainer.callback_metrics["reward_errors/raises"] == 4
+    # mean reward: (nan_first: -1 + 3 x 0.5) / 4 + (raises: -1) = 0.125 - 1
+    assert trainer.callback_metrics["reward"].item() == pytest.approx(-0.875)

@@ -87,7 +87,8 @@ class AlgorithmKnobs:
 
 
 def build_algorithm(name: str = "grpo", knobs: AlgorithmKnobs | None = None) -> Algorithm:
-    """The parts of preset ``name`` configured by ``knobs``; raises ValueError on a refused combination."""
+    """The parts of preset ``name`` configured by ``knobs``; raises ValueError on a refused combination, and on a
+    knob set away from its default that the preset does not read."""
     k = knobs or AlgorithmKnobs()
     _validate(name, k)
     return Algorithm(name, _advantage(name, k), _gate(name, k), _aggregator(name, k))
@@ -98,8 +99,8 @@ def _validate(name: str, k: AlgorithmKnobs) -> None:
         raise ValueError(f"algorithm={name!r} is not known; choose one of {', '.join(ALGORITHMS)}.")
     if k.group_size < 2:
         raise ValueError(
-            f"group_size={k.group_size}: group-relative advantages need at least 2 completions per prompt "
-            "(2 already works, 8 is the usual default)."
+            f"group_size={k.group_size}: group-relative advantages need at least 2 completions per prompt; "
+            "set it to >= 2 (2 already works, 8 is the usual default)."
         )
     if k.advantage_norm not in (None, "group", "batch"):
         raise ValueError(f"advantage_norm={k.advantage_norm!r} is not valid; choose 'group' or 'batch'.")
@@ -114,6 +115,13 @@ def _validate(name: str, k: AlgorithmKnobs) -> None:
             f"Remove use_ppo_clip (tune clip_low/clip_high instead), or layer PPO clipping on one of "
             f"{', '.join(PPO_CLIP_COMPATIBLE)}."
         )
+    unused = _unused_knobs(name, k)
+    if unused:
+        knob, readers = unused[0]
+        raise ValueError(
+            f"{knob}={getattr(k, knob)!r} has no effect with algorithm={name!r}; it is read by {readers}. "
+            f"Remove {knob}, or choose an algorithm that reads it."
+        )
     if k.dr_grpo_loss_agg_mode not in ("token_mean", "token_sum_norm"):
         raise ValueError(
             f"dr_grpo_loss_agg_mode={k.dr_grpo_loss_agg_mode!r} is not valid; choose 'token_mean' or 'token_sum_norm'."
@@ -123,6 +131,30 @@ def _validate(name: str, k: AlgorithmKnobs) -> None:
             "dr_grpo_loss_agg_mode='token_sum_norm' divides by num_samples x max_completion_length; "
             "set max_completion_length (the generation budget in tokens)."
         )
+
+
+def _unused_knobs(name: str, k: AlgorithmKnobs) -> list[tuple[str, str]]:
+    """Knobs set away from their default that preset ``name`` never reads (a setting that silently does
+    nothing), each with the presets that do read it."""
+    ppo_clip = name == "dapo" or (name in PPO_CLIP_COMPATIBLE and k.use_ppo_clip)
+    clip_range = ppo_clip or name in ("cispo", "gspo", "gmpo", "rspo")
+    with_ppo_clip = f"use_ppo_clip=True on {', '.join(PPO_CLIP_COMPATIBLE)}"
+    clip_readers = f"dapo, cispo, gspo, gmpo, rspo, or {with_ppo_clip}"
+    readers = {  # knob: (read by this preset, who reads it)
+        "advantage_norm": (name != "dr_grpo", "every preset but dr_grpo (which divides by no std)"),
+        "clip_low": (clip_range, clip_readers),
+        "clip_high": (clip_range, clip_readers),
+        "dual_clip": (ppo_clip, f"dapo, or {with_ppo_clip}"),
+        "dr_grpo_loss_agg_mode": (name == "dr_grpo", "dr_grpo"),
+        "sapo_tau_pos": (name == "sapo", "sapo"),
+        "sapo_tau_neg": (name == "sapo", "sapo"),
+        "moe_top_k": (name == "rspo", "rspo"),
+        "rspo_gamma_min": (name == "rspo", "rspo"),
+    }
+    default = AlgorithmKnobs()
+    return [
+        (knob, who) for knob, (read, who) in readers.items() if not read and getattr(k, knob) != getattr(default, knob)
+    ]
 
 
 def _advantage(name: str, k: AlgorithmKnobs) -> AdvantageEstimator:

@@ -10,6 +10,7 @@ from gpo.rewards.builtin import (
     column,
     exact_match,
     math_answer,
+    needs_columns,
     positional_match,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "column",
     "exact_match",
     "math_answer",
+    "needs_columns",
     "positional_match",
 ]

@@ -7,9 +7,23 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from gpo.rewards.answers import math_equal_batch
+
+Reward = TypeVar("Reward", bound=Callable[..., Any])
+
+
+def needs_columns(*names: str) -> Callable[[Reward], Reward]:
+    """Declare the dataset columns a reward reads from ``**columns`` (as ``fn.required_columns``), so a run whose
+    dataset lacks one fails in setup, before any sampling (see ``gpo.checks.required_columns``)."""
+
+    def declare(fn: Reward) -> Reward:
+        fn.required_columns = names
+        return fn
+
+    return declare
 
 
 def column(fn_name: str, name: str, completions: list[str], columns: dict[str, Any]) -> list[Any]:
@@ -35,12 +49,14 @@ def answer_column(fn_name: str, completions: list[str], columns: dict[str, Any])
     return [str(value).strip() for value in values]
 
 
+@needs_columns("answer")
 def exact_match(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 if the completion equals the ``answer`` column (both stripped of surrounding whitespace), else 0.0."""
     golds = answer_column("exact_match", completions, columns)
     return [float(completion.strip() == gold) for completion, gold in zip(completions, golds, strict=True)]
 
 
+@needs_columns("answer")
 def math_answer(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 if the completion's final answer is mathematically equal to the ``answer`` column, else 0.0.
 
@@ -53,6 +69,7 @@ def math_answer(prompts: list[str], completions: list[str], **columns: Any) -> l
     return [float(ok) for ok in math_equal_batch(golds, completions)]
 
 
+@needs_columns("answer")
 def positional_match(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """Fraction in [0, 1] of the ``answer``'s character positions the completion matches (partial credit).
 

@@ -27,14 +27,21 @@ class Sampling:
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
+        # Engines take these as their own arguments: in YAML, model.engine.init_args.<name>.
         if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (use greedy decoding for evaluation).")
+            raise ValueError(
+                f"model.engine.init_args.temperature={self.temperature} must be > 0 (1.0 samples the policy as is; "
+                "evaluation decodes greedily on its own)."
+            )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+            raise ValueError(f"model.engine.init_args.top_p={self.top_p} must be in (0, 1] (1 disables it).")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it).")
+            raise ValueError(f"model.engine.init_args.top_k={self.top_k} must be >= 0 (0 disables it).")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+            raise ValueError(
+                f"model.engine.init_args.max_new_tokens={self.max_new_tokens} must be >= 1 (the completion budget "
+                "in tokens)."
+            )
 
 
 @dataclass
@@ -151,6 +158,10 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
 
 class RolloutEngine(ABC):
     """Samples ``n`` completions for each prompt. The module never imports a concrete engine."""
+
+    # True when the engine samples from the very module being trained (no copy of the weights to keep in sync):
+    # then its log-probs equal the trainer's, and the trainer skips measuring the mismatch.
+    shares_policy_weights: bool = False
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:  # noqa: B027
         """Called once by the trainer with the policy it trains; engines with their own weights may ignore it."""

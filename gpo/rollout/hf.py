@@ -47,6 +47,8 @@ class HFEngine(RolloutEngine):
         batch_size: prompts x samples generated per ``generate`` call (None: all at once).
     """
 
+    shares_policy_weights = True
+
     def __init__(
         self,
         *,
@@ -58,7 +60,9 @@ class HFEngine(RolloutEngine):
     ) -> None:
         self.sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1 (or None for one call).")
+            raise ValueError(
+                f"model.engine.init_args.batch_size={batch_size} must be >= 1, or null to generate in one call."
+            )
         self.batch_size = batch_size
         self.policy: PreTrainedModel | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None

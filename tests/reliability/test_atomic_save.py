@@ -1,0 +1,104 @@
+"""Checkpoint writes are whole or absent: a kill or a full disk during a save leaves the previous file intact, and a
+removed output folder is recreated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from gpo.callbacks import ResumeCheckpoint
+from gpo.checkpointing import CheckpointError, atomic_torch_save, load_checkpoint_file
+from gpo.data import PromptDataModule
+from gpo.module import GPOModule
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def python(code: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    path, marker = tmp_path / "last.ckpt", tmp_path / "pickling"
+    atomic_torch_save({"step": 1, "w": torch.zeros(1000)}, path)
+    writer = python(
+        "import torch; from gpo.checkpointing import atomic_torch_save; from tests.reliability.faults import "
+        f"SlowToPickle; atomic_torch_save({{'step': 2, 'w': torch.ones(1000), 'x': SlowToPickle({str(marker)!r})}}, "
+        f"{str(path)!r})"
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert writer.poll() is None, writer.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    old = load_checkpoint_file(path, weights_only=True)
+    assert old["step"] == 1 and torch.equal(old["w"], torch.zeros(1000))
+    assert [p.name for p in tmp_path.glob("*.ckpt")] == ["last.ckpt"]  # the stray temp file is not a checkpoint
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.zeros(10)}, path)
+    # RLIMIT_FSIZE makes writes past 64 KiB fail with EFBIG, as a full disk fails them with ENOSPC
+    writer = python(
+        "import resource, signal, torch; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+        "from gpo.checkpointing import atomic_torch_save; "
+        f"atomic_torch_save({{'step': 2, 'w': torch.ones(1_000_000)}}, {str(path)!r})"
+    )
+    _, err = writer.communicate(timeout=120)
+    assert writer.returncode != 0
+    assert "CheckpointError: could not write checkpoint" in err and "previous file at that path" in err
+    assert load_checkpoint_file(path, weights_only=True)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # the partial temp file was removed
+
+
+def test_a_truncated_file_is_refused_and_names_the_other_checkpoints(tmp_path):
+    atomic_torch_save({"w": torch.ones(1000)}, tmp_path / "step8.ckpt")
+    torch.save({"w": torch.ones(1000)}, tmp_path / "last.ckpt")
+    data = (tmp_path / "last.ckpt").read_bytes()
+    (tmp_path / "last.ckpt").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*another checkpoint of .* \(step8\.ckpt\)"):
+        load_checkpoint_file(tmp_path / "last.ckpt")
+
+
+class RemoveFolder(L.Callback):
+    def __init__(self, folder: Path, at_batch: int):
+        self.folder, self.at_batch = folder, at_batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at_batch:
+            assert (self.folder / "last.ckpt").exists()
+            for file in self.folder.iterdir():
+                file.unlink()
+            self.folder.rmdir()
+
+
+def test_a_checkpoint_folder_removed_mid_run_is_recreated_at_the_next_save(tmp_path):
+    model = save_tiny_model(tmp_path / "model", "llama")
+    data = write_jsonl(make_task("sort_digits", 16), tmp_path / "train.jsonl")
+    folder = tmp_path / "checkpoints"
+    module = GPOModule(str(model), [positional_match], group_size=2, engine=HFEngine(max_new_tokens=2))
+    trainer = L.Trainer(
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[ResumeCheckpoint(folder, every_n_train_steps=1), RemoveFolder(folder, at_batch=2)],
+    )
+    trainer.fit(module, PromptDataModule(str(data), tokenizer=str(model), prompts_per_step=2))
+    assert load_checkpoint_file(folder / "last.ckpt", weights_only=True)["global_step"] == 3
