@@ -231,7 +231,9 @@ class PromptLoader(DataLoader):
 
     def __init__(self, rows: list[dict[str, Any]], batch_size: int, *, seed: int, batches_trained) -> None:
         self.order = EpochOrder(len(rows), seed)
-        super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate)
+        # its own generator: starting an iterator would otherwise draw a worker seed from torch's global one
+        generator = torch.Generator().manual_seed(seed)
+        super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate, generator=generator)
         self.batches_trained = batches_trained
 
     def state_dict(self) -> dict[str, int]:

@@ -574,6 +574,9 @@ def _batches_per_pass(loader) -> int | None:
 def _reshuffled(loader, seed: int) -> torch.utils.data.DataLoader:
     """``loader``'s rows and batching in an order drawn from ``seed`` alone."""
     order = torch.utils.data.RandomSampler(loader.dataset, generator=torch.Generator().manual_seed(seed))
+    # A generator of its own also keeps the loader's worker seed off torch's global generator, which would
+    # otherwise be drawn from whenever an iterator starts (and a resumed run starts them at other times).
     return torch.utils.data.DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn
-    )
+        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip

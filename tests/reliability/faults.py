@@ -8,16 +8,22 @@ import os
 import time
 from pathlib import Path
 
+from lightning import Callback
+
 from gpo.rewards import positional_match
 
-CALLS = [0]  # reward calls made in this process: one per training batch
+BATCHES = [0]  # training batches finished in this process
+
+
+class CountBatches(Callback):
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        BATCHES[0] += 1
 
 
 def stall_on_cue(prompts, completions, **columns):
     """``positional_match``, but once the file ``$GPO_FAULT_CUE`` exists: touch ``$GPO_FAULT_CUE.hit`` (the step is
     now between sampling and the update) and sleep ``$GPO_FAULT_STALL_S`` seconds, so the parent can signal the
     process mid-step."""
-    CALLS[0] += 1
     cue = os.environ.get("GPO_FAULT_CUE")
     if cue and Path(cue).exists():
         Path(cue + ".hit").touch()
