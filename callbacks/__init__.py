@@ -13,6 +13,7 @@ from gpo.callbacks.difficulty_filter import DifficultyFilter
 from gpo.callbacks.dynamic_sampling import DynamicSampling
 from gpo.callbacks.resume_checkpoint import ResumeCheckpoint
 from gpo.callbacks.rollout_monitor import RolloutMonitor
+from gpo.callbacks.vllm_weight_sync import VLLMWeightSync
 
 __all__ = [
     "CompletionSamples",
@@ -20,4 +21,5 @@ __all__ = [
     "DynamicSampling",
     "ResumeCheckpoint",
     "RolloutMonitor",
+    "VLLMWeightSync",
 ]

