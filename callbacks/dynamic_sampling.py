@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from gpo import distributed
 from gpo.rollout.base import Rollout, concat_rollouts
 
 OnExhausted = Literal["train", "skip"]
@@ -57,12 +58,16 @@ class DynamicSampling(Callback):
       ``is not None``: an empty rollout has length 0 and is falsy); skip the step if the rollout has no rows;
       otherwise train on it. ``log_dict`` (Lightning's) receives the metrics.
 
-    Each process filters its own rollout; under a strategy whose generation is collective (FSDP) processes could
-    draw different numbers of rounds, which this callback does not synchronise.
+    Under DDP with ``W`` processes, ``num_groups`` is global: each process fills its own share of
+    ``num_groups / W`` groups from its own prompts (drawing its own extra rounds, with no collective in between) and
+    the logged counts and totals are over all processes (sums; ``rounds`` and ``exhausted`` are the maxima). A
+    process left with no group, or an ``on_exhausted="skip"`` on any process, skips the step on every process.
+    Under a strategy whose generation is collective (FSDP) processes could draw different numbers of rounds, which
+    this callback does not synchronise.
 
     Args:
-        num_groups: informative groups to train on per step; None: as many as the step's rollout arrived with
-            (the prompts of the batch), so the step size stays constant.
+        num_groups: informative groups to train on per step over all processes; None: as many as the step's
+            rollout arrived with (the prompts of the batch), so the step size stays constant.
         max_rounds: extra batches of prompts drawn per step at most (0: only filter, never draw more).
         atol: rewards of a group count as all equal when ``max - min <= atol``. The default 1e-6 is the ``eps`` of
             gpo's ``GroupNormAdvantage`` (a group std at or below it gets zero advantage): rewards that differ only
@@ -90,10 +95,19 @@ class DynamicSampling(Callback):
         self.num_groups, self.max_rounds, self.atol, self.on_exhausted = num_groups, max_rounds, atol, on_exhausted
         self.totals = dict.fromkeys(TOTALS, 0)
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.num_groups is not None and self.num_groups % trainer.world_size:
+            raise ValueError(
+                f"DynamicSampling num_groups={self.num_groups} is global: it must split evenly over the "
+                f"{trainer.world_size} processes (trainer.devices x trainer.num_nodes); make it a multiple of "
+                f"{trainer.world_size}."
+            )
+
     def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout | None:
         """A rollout of exactly ``num_groups`` informative groups, fewer (ran out, ``train``) or none (an empty
         rollout: skip the step); None when ``rollout`` is already exactly that."""
-        target = self.num_groups or rollout.num_groups
+        target = self.num_groups // distributed.world_size() if self.num_groups else rollout.num_groups
         parts, count = [], dict.fromkeys(("groups_drawn", "groups_dropped", "groups_surplus", "tokens_drawn"), 0)
         held, rounds, current = 0, 0, rollout
         while True:
@@ -111,14 +125,17 @@ class DynamicSampling(Callback):
             current = pl_module.scored_rollout(pl_module.next_prompt_batch())
         exhausted = held < target
         skip = exhausted and (self.on_exhausted == "skip" or held == 0)
-        if exhausted:
+        maxima = {"rounds": rounds, "exhausted": exhausted, "skip": skip}  # one process skipping skips all
+        step = _over_ranks({**count, "held": held, "target": target}, maxima, pl_module)
+        if step["exhausted"]:
+            action = "skipping the step" if step["skip"] else f"training on {step['held']}"
             rank_zero_warn(
-                f"DynamicSampling: step {trainer.global_step}: {held} of {target} informative groups after {rounds} "
-                f"extra rounds ({count['groups_drawn']} groups drawn, {count['groups_dropped']} with all rewards "
-                f"equal); {'skipping the step' if skip else f'training on {held}'}. Raise max_rounds or the batch "
-                "size to fill the step."
+                f"DynamicSampling: step {trainer.global_step}: {step['held']} of {step['target']} informative groups "
+                f"after {step['rounds']} extra rounds ({step['groups_drawn']} groups drawn, {step['groups_dropped']} "
+                f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step."
             )
-        self._log(pl_module, {**count, "groups_kept": 0 if skip else held, "rounds": rounds, "exhausted": exhausted})
+        logged = {key: step[key] for key in (*count, "rounds", "exhausted")}
+        self._log(pl_module, {**logged, "groups_kept": 0 if step["skip"] else step["held"]})
         if skip:
             return rollout.select([])
         if len(parts) == 1 and len(parts[0]) == len(rollout):
@@ -158,6 +175,16 @@ class DynamicSampling(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.totals.update({key: int(state_dict[key]) for key in TOTALS if key in state_dict})
+
+
+def _over_ranks(sums: dict[str, int], maxima: dict[str, int | bool], pl_module: LightningModule) -> dict[str, int]:
+    """``sums`` summed and ``maxima`` maximised over the processes of a distributed run (as given otherwise)."""
+    if distributed.world_size() == 1:
+        return {**sums, **{key: int(value) for key, value in maxima.items()}}
+    device = getattr(pl_module, "device", "cpu")
+    total = distributed.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
+    high = distributed.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
+    return {**dict(zip(sums, total, strict=True)), **dict(zip(maxima, high, strict=True))}
 
 
 def _is_int(value: Any) -> bool:

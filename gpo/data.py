@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gpo import distributed
 from gpo.checks import check_pretrained_folder
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ class PromptDataModule(LightningDataModule):
         val_size: rows of ``path`` held out for evaluation when ``val_path`` is None (0: no evaluation set).
         tokenizer: tokenizer folder; normally linked to the policy's path.
         prompt_column: the column holding the prompt text.
-        prompts_per_step: prompts per training step (each gets ``group_size`` completions).
+        prompts_per_step: prompts per training step over all processes (each gets ``group_size`` completions);
+            under DDP each of the ``W`` processes samples ``prompts_per_step / W`` of them.
         max_prompt_length: the longest prompt in tokens.
         long_prompts: ``error`` refuses a longer prompt (naming its row); ``truncate`` keeps its last
             ``max_prompt_length`` tokens and logs how many were cut.
@@ -109,6 +112,12 @@ class PromptDataModule(LightningDataModule):
         self.longest_prompt: tuple[int, str] = (0, "no prompt")  # tokens, and which row; set by setup
 
     def setup(self, stage: str | None = None) -> None:
+        ranks = self.trainer.world_size if self.trainer is not None else 1
+        if self.prompts_per_step % ranks:
+            raise ValueError(
+                f"data.prompts_per_step={self.prompts_per_step} is the global batch: it must split evenly over the "
+                f"{ranks} processes (trainer.devices x trainer.num_nodes); make it a multiple of {ranks}."
+            )
         if self.train_rows:
             return
         if self.tokenizer_path is None:
@@ -179,30 +188,40 @@ class PromptDataModule(LightningDataModule):
         def batches_trained() -> int:  # what the fit loop has finished of this epoch, prefetched batches excluded
             return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
-        return PromptLoader(self.train_rows, self.prompts_per_step, seed=self.seed, batches_trained=batches_trained)
+        rank, ranks = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return PromptLoader(
+            self.train_rows, self.prompts_per_step // ranks, seed=self.seed, batches_trained=batches_trained,
+            rank=rank, world_size=ranks,
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
 
 
-class EpochOrder(Sampler[int]):
-    """Row order of one epoch: a permutation drawn from ``(seed, epoch)`` alone, so any epoch can be replayed.
+class EpochOrder(DistributedSampler):
+    """Row order of one epoch, this process's share of it: a permutation drawn from ``(seed, epoch)`` alone, so any
+    epoch can be replayed.
 
-    ``resume(epoch, rows_done)`` makes the next pass over that epoch skip its first ``rows_done`` rows (once);
-    ``len`` stays the whole epoch, as Lightning's loop expects of a resumed loader.
+    With ``world_size`` W > 1 the permutation is padded to a multiple of W by repeating its first rows (as torch's
+    ``DistributedSampler`` does) and rank ``r`` takes rows ``r, r + W, r + 2W, ...``. Batches of ``P / W`` rows per
+    rank then make global batch ``b`` rows ``[b P, (b + 1) P)`` of the permutation for any W, the batch a single
+    process with batch size ``P`` draws; and minibatch ``k`` of every rank's share together are minibatch ``k`` of
+    that single-process batch. Being a ``DistributedSampler``, it is left in place by Lightning, which would
+    otherwise wrap the loader's sampler in one of its own.
+
+    ``resume(epoch, rows_done)`` makes the next pass over that epoch skip its first ``rows_done`` rows of this
+    rank's share (once); ``len`` stays the whole share, as Lightning's loop expects of a resumed loader.
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch, self._skip = 0, (0, 0)
-
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at the start of every epoch
-        self.epoch = epoch
+    def __init__(self, size: int, seed: int, shuffle: bool = True, *, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        self.size, self._skip = size, (0, 0)
 
     def resume(self, epoch: int, rows_done: int) -> None:
         self.epoch, self._skip = epoch, (epoch, rows_done)
 
     def order(self, epoch: int) -> list[int]:
+        """The whole epoch's permutation (every rank's rows)."""
         if not self.shuffle:
             return list(range(self.size))
         return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
@@ -211,10 +230,14 @@ class EpochOrder(Sampler[int]):
         skip_epoch, rows_done = self._skip
         self._skip = (0, 0)
         start = rows_done if skip_epoch == self.epoch else 0
-        yield from self.order(self.epoch)[start:]
+        rows = self.order(self.epoch)
+        if self.num_replicas > 1:
+            rows = (rows * math.ceil(self.total_size / max(len(rows), 1)))[: self.total_size]
+            rows = rows[self.rank :: self.num_replicas]
+        yield from rows[start:]
 
     def __len__(self) -> int:
-        return self.size
+        return self.num_samples
 
 
 class PromptLoader(DataLoader):
@@ -227,10 +250,15 @@ class PromptLoader(DataLoader):
         seed: shuffle seed; epoch ``e`` uses the permutation of ``seed + e``.
         batches_trained: how many batches of the current epoch have been trained on when a checkpoint is written
             (the training loop's count: a loader cannot tell a batch trained on from one only prefetched).
+        rank: this process's rank; with ``world_size`` > 1 it loads its share of each epoch (see ``EpochOrder``).
+        world_size: number of processes sharing the epoch.
     """
 
-    def __init__(self, rows: list[dict[str, Any]], batch_size: int, *, seed: int, batches_trained) -> None:
-        self.order = EpochOrder(len(rows), seed)
+    def __init__(
+        self, rows: list[dict[str, Any]], batch_size: int, *, seed: int, batches_trained, rank: int = 0,
+        world_size: int = 1,
+    ) -> None:  # fmt: skip
+        self.order = EpochOrder(len(rows), seed, rank=rank, world_size=world_size)
         # its own generator: starting an iterator would otherwise draw a worker seed from torch's global one
         generator = torch.Generator().manual_seed(seed)
         super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate, generator=generator)
@@ -241,3 +269,24 @@ class PromptLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.order.resume(state["epoch"], state["batches_done"] * self.batch_size)
+
+
+def batches_per_pass(loader: DataLoader) -> int | None:
+    """Batches in one pass of this process over a map-style dataset with a fixed batch size; None for anything
+    else."""
+    try:
+        rows = len(loader.sampler)  # this rank's share under DDP, the whole dataset otherwise
+    except TypeError:
+        return None
+    return math.ceil(rows / loader.batch_size) if loader.batch_size else None
+
+
+def reshuffled(loader: DataLoader, seed: int) -> DataLoader:
+    """``loader``'s rows and batching in an order drawn from ``seed`` alone (this rank's share of it under DDP)."""
+    order = EpochOrder(len(loader.dataset), seed, rank=distributed.rank(), world_size=distributed.world_size())
+    # A generator of its own also keeps the loader's worker seed off torch's global generator, which would
+    # otherwise be drawn from whenever an iterator starts (and a resumed run starts them at other times).
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip

@@ -9,6 +9,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -16,9 +17,11 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from gpo import distributed
 from gpo.algo import (
     AdvantageEstimator,
     AlgorithmKnobs,
@@ -45,7 +48,7 @@ from gpo.checks import (
     check_tokenizer,
     warn_if_no_trust_region,
 )
-from gpo.data import PromptDataModule
+from gpo.data import PromptDataModule, batches_per_pass, reshuffled
 from gpo.export import ExportMode, export_policy
 from gpo.models import (
     DType,
@@ -67,6 +70,7 @@ from gpo.settings import Evaluation, Optimization
 log = logging.getLogger(__name__)
 
 OldLogprobs = Literal["rollout", "batch"]
+RANK_SEED_STRIDE = 2**32  # rank r samples with seeds offset by r * this, far from any seed rank 0 uses
 SUPPLIED_GATE_INPUTS = frozenset({"router_logp", "old_router_logp"})
 
 
@@ -104,7 +108,7 @@ class GPOModule(LightningModule):
             the weights; ``adapter``: the adapter alone; ``none``: no export) under ``<log dir>/export``.
         reward_errors: what a reward function that raises, hangs or returns bad values does to the run: ``fail``
             (default, with the function and prompt named) or ``score`` the samples concerned as a fixed value.
-        seed: seeds the rollout sampling of each step (``seed + global_step``).
+        seed: seeds the rollout sampling of each step (``seed + global_step``; under DDP rank ``r`` adds ``r * 2**32``).
     """
 
     def __init__(
@@ -241,6 +245,9 @@ class GPOModule(LightningModule):
             budget = getattr(getattr(self.engine, "sampling", None), "max_new_tokens", None)
             check_context(data.longest_prompt, budget, getattr(self.model.config, "max_position_embeddings", None))
             check_minibatches(data.prompts_per_step, self.group_size, self.optim.number_of_minibatches)
+            distributed.check_shards(
+                data.prompts_per_step, self.group_size, self.optim.number_of_minibatches, distributed.world_size()
+            )
         warn_if_no_trust_region(self.optim.number_of_minibatches * self.optim.ppo_epochs, self.gate)
         self.engine.setup(self.model, self.tokenizer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
@@ -262,17 +269,22 @@ class GPOModule(LightningModule):
     # ---- resume: what a checkpoint needs beyond weights, optimiser, scheduler and loop counters ---------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["gpo"] = {
-            "random_state": capture_random_state(),
-            "extra_batches_drawn": self._extra_batches_drawn,
-            "nonfinite_streak": self._nonfinite_streak,
-        }
+        # Under DDP each rank has its own draws (extra prompt batches, generators): all are saved, each reads its own.
+        draws = {"random_state": capture_random_state(), "extra_batches_drawn": self._extra_batches_drawn}
+        ranks = distributed.gather_objects(draws)
+        checkpoint["gpo"] = {**draws, "nonfinite_streak": self._nonfinite_streak}
+        if len(ranks) > 1:
+            checkpoint["gpo"]["ranks"] = ranks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("gpo", {})
-        self._extra_batches_drawn = state.get("extra_batches_drawn", 0)
+        ranks, size = state.get("ranks", [state]), distributed.world_size()
+        if len(ranks) != size:
+            log.warning("checkpoint of %d processes resumed by %d: all resume rank 0's draws", len(ranks), size)
+        own = ranks[distributed.rank()] if len(ranks) == size else ranks[0]
+        self._extra_batches_drawn = own.get("extra_batches_drawn", 0)
         self._nonfinite_streak = state.get("nonfinite_streak", 0)
-        self._restored_random_state = state.get("random_state")
+        self._restored_random_state = own.get("random_state")
 
     def on_train_start(self) -> None:
         if self._restored_random_state is not None:  # put back last, so nothing between restore and step 1 draws
@@ -285,23 +297,29 @@ class GPOModule(LightningModule):
         started = time.perf_counter()
         self._seeds_used = 0
         batch = self._prompt_hooks(batch)
-        rollout = self.scored_rollout(batch) if batch["prompt"] else None
-        rollout = self._rollout_hooks(rollout)
-        if rollout is None or len(rollout) == 0:
+        # Under DDP all ranks train the step or all skip it (see every_rank_holds).
+        held = distributed.every_rank_holds(len(batch["prompt"]), 1, self.device)
+        rollout = self._rollout_hooks(self.scored_rollout(batch)) if held else None
+        minibatches = self.optim.number_of_minibatches
+        if rollout is None or not distributed.every_rank_holds(len(rollout), minibatches, self.device):
             self.log("rollout/skipped", 1.0, on_step=True)
             return
         sampling_time = time.perf_counter() - started
-        mask = rollout.completion_mask.float()
+        mask = rollout.loss_mask.float()  # 0 on padding and on multi-turn environment tokens
         if self.mask_truncated_completions:
             mask = overlong_filter(mask, rollout.truncated)
-        adv = self.advantage(rollout.reward, rollout.group, mask)  # [B, T]
-        metrics = self._optimise(rollout, adv, mask)
-        metrics.update(self._rollout_metrics(rollout, adv, mask))
+        step, rows = distributed.gather_step(rollout, mask)
+        step_adv = self.advantage(step["reward"], step["group"], step["mask"])  # [B_all, T_all], all ranks' rows
+        metrics = self._optimise(rollout, step_adv[rows, : mask.shape[1]], mask)
         training_time = time.perf_counter() - started - sampling_time
         times = (self._rollout_time, sampling_time - self._rollout_time, training_time)
         metrics.update(_throughput(rollout, self._generated_tokens, *times))
+        metrics = {
+            **distributed.mean_over_ranks({k: float(v) for k, v in metrics.items()}),
+            **self._step_metrics(step, step_adv),
+        }
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
-        self.log("reward", float(rollout.reward.mean()), prog_bar=True, on_step=True)
+        self.log("reward", float(metrics["reward/mean"]), prog_bar=True, on_step=True)
 
     def scored_rollout(self, batch: dict[str, Any], *, seed: int | None = None) -> Rollout:
         """Sample ``group_size`` completions per prompt of ``batch`` and score them (``scores``, ``reward``).
@@ -311,7 +329,7 @@ class GPOModule(LightningModule):
         """
         if seed is None:
             batches = self.trainer.fit_loop.epoch_loop.total_batch_idx  # advances on skipped steps too
-            seed = self.seed + batches + 1_000_003 * self._seeds_used
+            seed = self.seed + batches + 1_000_003 * self._seeds_used + RANK_SEED_STRIDE * distributed.rank()
             self._seeds_used += 1
         started = time.perf_counter()
         rollout = self.rollout(batch, seed=seed)
@@ -332,12 +350,13 @@ class GPOModule(LightningModule):
         """Another batch of training prompts (for callbacks that draw more), from passes over the data of their own.
 
         Pass ``k`` is shuffled by ``seed + k`` alone and the count drawn is checkpointed, so a resumed run draws
-        the same batches (for map-style datasets; an iterable dataset is simply iterated again)."""
+        the same batches (for map-style datasets; an iterable dataset is simply iterated again). Under DDP each rank
+        draws from its own share of each pass."""
         loader = self.trainer.train_dataloader
-        per_pass = _batches_per_pass(loader)
+        per_pass = batches_per_pass(loader)
         passes, offset = divmod(self._extra_batches_drawn, per_pass or 1)
         if self._extra_prompts is None or offset == 0:
-            extra = _reshuffled(loader, self.seed + 1 + passes) if per_pass else loader
+            extra = reshuffled(loader, self.seed + 1 + passes) if per_pass else loader
             self._extra_prompts = itertools.islice(iter(extra), offset, None)
         self._extra_batches_drawn += 1
         try:
@@ -357,7 +376,7 @@ class GPOModule(LightningModule):
         rollout.completions = self.tokenizer.batch_decode(
             rollout.completion_ids.masked_fill(rollout.completion_mask == 0, pad), skip_special_tokens=True
         )
-        rollout.fields = {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
+        rollout.fields |= {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
         return rollout
 
     def _prompt_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -435,16 +454,19 @@ class GPOModule(LightningModule):
         updates = skipped = 0
         for _ in range(self.optim.ppo_epochs):
             order = torch.randperm(len(rollout)) if updates + skipped else torch.arange(len(rollout))
-            for rows in order.to(self.device).chunk(self.optim.number_of_minibatches):
-                normaliser = self.aggregator.normaliser(mask[rows])
+            for rows in distributed.split_rows(order.to(self.device), self.optim.number_of_minibatches):
+                normaliser = distributed.ddp_normaliser(self.aggregator.normaliser(mask[rows]))  # see ddp_normaliser
                 optimizer.zero_grad()
                 minibatch_loss = 0.0
-                for micro in rows.split(self.optim.micro_batch_size or len(rows)):
+                micros = rows.split(self.optim.micro_batch_size or len(rows))
+                for index, micro in enumerate(micros):
                     loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
-                    self.manual_backward(loss)
+                    with self._gradient_sync(index == len(micros) - 1):
+                        self.manual_backward(loss)
                     minibatch_loss += float(loss.detach())  # micro-batch losses add up to the minibatch loss
                     for key, value in metrics.items():
                         sums[key] += float(value) * len(micro) / len(rollout)
+                minibatch_loss = distributed.mean_over_ranks({"loss": minibatch_loss})["loss"]  # over the global batch
                 max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
                 norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
                 if not (math.isfinite(minibatch_loss) and math.isfinite(norm)):
@@ -463,6 +485,12 @@ class GPOModule(LightningModule):
         out["train/nonfinite_skipped"] = float(skipped)
         out["train/lr"] = optimizer.param_groups[0]["lr"]
         return {**out, **step_metrics}
+
+    def _gradient_sync(self, sync: bool):
+        """DDP all-reduces gradients in the last micro-batch's backward only; the others accumulate locally, so
+        ranks may run different numbers of micro-batches."""
+        strategy = self.trainer.strategy
+        return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) and not sync else nullcontext()
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         """Log an update dropped for a NaN/inf loss or gradient; stop after too many in a row."""
@@ -505,20 +533,21 @@ class GPOModule(LightningModule):
             entropy=out.entropy, **sliced, **gate_inputs,
         )  # fmt: skip
 
-    def _rollout_metrics(self, rollout: Rollout, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
-        lengths, reward, scores = rollout.lengths.float(), rollout.reward, rollout.scores
+    def _step_metrics(self, step: dict[str, Tensor], adv: Tensor) -> dict[str, Tensor]:
+        """Statistics of the step's rows over every rank (``step`` and ``adv`` as from ``gather_step``)."""
+        lengths, reward, scores, mask = step["lengths"].float(), step["reward"], step["scores"], step["mask"]
         metrics = {
             "reward/mean": reward.mean(),
             "reward/std": reward.std() if len(reward) > 1 else reward.new_zeros(()),
             "completion/len_mean": lengths.mean(),
             "completion/len_max": lengths.max(),
-            "completion/truncated_frac": rollout.truncated.float().mean(),
+            "completion/truncated_frac": step["truncated"].mean(),
             "adv/mean": (adv * mask).sum() / mask.sum().clamp_min(1),
             "adv/abs_mean": (adv.abs() * mask).sum() / mask.sum().clamp_min(1),
         }
         for k, fn in enumerate(self.rewards):
             metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
-        for name, count in self._reward_errors_seen.items():  # samples scored as reward_errors.value this step
+        for name, count in distributed.total_over_ranks(dict(self._reward_errors_seen)).items():  # reward_errors.value
             metrics[f"reward_errors/{name}"] = torch.tensor(float(count))
         self._reward_errors_seen.clear()
         return metrics
@@ -534,13 +563,14 @@ class GPOModule(LightningModule):
             size = len(batch["prompt"])
             for name, count in scored.replaced.items():
                 self.log(f"val/reward_errors_{kind}/{name}", float(count), batch_size=size, reduce_fx="sum")
-            self.log(f"val/reward_{kind}", reward.mean(), batch_size=size, prog_bar=kind == "greedy")
-            self.log(f"val/pass@1_{kind}", (reward >= e.pass_threshold).float().mean(), batch_size=size)
+            self.log(f"val/reward_{kind}", reward.mean(), batch_size=size, prog_bar=kind == "greedy", sync_dist=True)
+            self.log(f"val/pass@1_{kind}", (reward >= e.pass_threshold).float().mean(), batch_size=size, sync_dist=True)
 
     def on_train_end(self) -> None:
-        if self.export != "none" and self.trainer.is_global_zero:
-            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "export"
-            export_policy(self.policy, self.tokenizer, folder, merge=self.export == "merged")
+        if self.export != "none":
+            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "export"  # log_dir: on every rank
+            if self.trainer.is_global_zero:
+                export_policy(self.policy, self.tokenizer, folder, merge=self.export == "merged")
 
 
 def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, width: int) -> Tensor:
@@ -560,23 +590,3 @@ def _throughput(
         "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
         "throughput/training_tokens_per_s": processed / max(training_s, 1e-9),
     }
-
-
-def _batches_per_pass(loader) -> int | None:
-    """Batches in one pass over a map-style dataset with a fixed batch size; None for anything else."""
-    try:
-        rows = len(loader.dataset)
-    except TypeError:
-        return None
-    return math.ceil(rows / loader.batch_size) if loader.batch_size else None
-
-
-def _reshuffled(loader, seed: int) -> torch.utils.data.DataLoader:
-    """``loader``'s rows and batching in an order drawn from ``seed`` alone."""
-    order = torch.utils.data.RandomSampler(loader.dataset, generator=torch.Generator().manual_seed(seed))
-    # A generator of its own also keeps the loader's worker seed off torch's global generator, which would
-    # otherwise be drawn from whenever an iterator starts (and a resumed run starts them at other times).
-    return torch.utils.data.DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn,
-        generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip

@@ -64,6 +64,15 @@ class Rollout:
     fields: dict[str, list] = field(default_factory=dict)  # extra dataset columns, one value per row
     scores: Tensor | None = None  # [B, K] float32: one column per reward function, once scored
     reward: Tensor | None = None  # [B] float32: the mixed reward, once scored
+    # [B, T] 1 on completion tokens that train; None: ``completion_mask``. Multi-turn rollouts put environment
+    # tokens in the context (``completion_mask`` 1) but out of the loss (``loss_mask`` 0). Set it anew whenever
+    # ``completion_mask`` changes.
+    loss_mask: Tensor | None = None
+    turn_adv: Tensor | None = None  # [B, T] float32: per-turn advantage of multi-turn step rewards, else None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -98,14 +107,14 @@ class Rollout:
             fields={key: [values[i] for i in picked] for key, values in self.fields.items()},
             scores=None if self.scores is None else self.scores[index],
             reward=None if self.reward is None else self.reward[index],
+            loss_mask=self.loss_mask[index],
+            turn_adv=None if self.turn_adv is None else self.turn_adv[index],
         )
 
     def to(self, device: torch.device | str) -> Rollout:
-        move = {
-            name: getattr(self, name).to(device)
-            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "group")
-        }
-        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward")}
+        required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated", "group")
+        move = {name: getattr(self, name).to(device) for name in required}
+        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward", "turn_adv")}
         return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
 
     @property
@@ -153,7 +162,19 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
         fields={key: [v for r in rollouts for v in r.fields[key]] for key in keys},
         scores=cat_optional("scores"),
         reward=cat_optional("reward"),
+        loss_mask=torch.cat([right(r.loss_mask) for r in rollouts]),
+        turn_adv=_cat_turn_adv(rollouts, right),
     )
+
+
+def _cat_turn_adv(rollouts: list[Rollout], right) -> Tensor | None:
+    """The parts' ``turn_adv`` one below the other; a part without one (no step rewards) adds zeros."""
+    if all(r.turn_adv is None for r in rollouts):
+        return None
+    parts = [
+        torch.zeros_like(r.completion_ids, dtype=torch.float32) if r.turn_adv is None else r.turn_adv for r in rollouts
+    ]
+    return torch.cat([right(p) for p in parts])
 
 
 class RolloutEngine(ABC):
