@@ -56,8 +56,12 @@ class ResumeCheckpoint(ModelCheckpoint):
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args, **kwargs) -> None:
-        # Counted from the last save, not as global_step % n: a batch may take several optimiser steps.
-        if trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps or trainer.received_sigterm:
+        # Counted from the last save, not as global_step % n: a batch may take several optimiser steps. The last
+        # step is saved here too, not only at on_train_end: by then Lightning has closed the epoch, and a run
+        # extended to a larger max_steps would start the next epoch instead of finishing this one.
+        due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
+        last = 0 < trainer.max_steps <= trainer.global_step
+        if due or last or trainer.received_sigterm:
             self._save_now(trainer)
         if trainer.received_sigterm:
             rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {self.last_model_path}")

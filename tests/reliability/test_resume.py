@@ -163,6 +163,14 @@ def test_sigterm_checkpoints_the_finished_step_exits_143_and_resumes_exactly(con
     assert_same_run(load(tmp_path), uninterrupted)
 
 
+def test_a_finished_run_extended_to_more_steps_equals_one_run_of_that_length(config, tmp_path):
+    constant = "--model.optim.lr_schedule=constant"  # a decaying schedule depends on max_steps by design
+    fit_in_process(config, tmp_path / "whole", constant)
+    fit_in_process(config, tmp_path / "extended", constant, "--trainer.max_steps=20")
+    fit_in_process(config, tmp_path / "extended", constant, "--ckpt_path=last")
+    assert_same_run(load(tmp_path / "extended"), load(tmp_path / "whole"))
+
+
 def test_a_damaged_checkpoint_is_refused_with_the_file_named(config, tmp_path, uninterrupted):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
