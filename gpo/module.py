@@ -310,7 +310,10 @@ class GPOModule(LightningModule):
             mask = overlong_filter(mask, rollout.truncated)
         step, rows = distributed.gather_step(rollout, mask)
         step_adv = self.advantage(step["reward"], step["group"], step["mask"])  # [B_all, T_all], all ranks' rows
-        metrics = self._optimise(rollout, step_adv[rows, : mask.shape[1]], mask)
+        adv = step_adv[rows, : mask.shape[1]]
+        if rollout.turn_adv is not None:  # multi-turn step rewards: each turn's own advantage on its tokens
+            adv = adv + rollout.turn_adv * mask
+        metrics = self._optimise(rollout, adv, mask)
         training_time = time.perf_counter() - started - sampling_time
         times = (self._rollout_time, sampling_time - self._rollout_time, training_time)
         metrics.update(_throughput(rollout, self._generated_tokens, *times))

@@ -2,5 +2,6 @@
 
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.hf import HFEngine
+from gpo.rollout.multi_turn import MultiTurnEngine
 
-__all__ = ["HFEngine", "Rollout", "RolloutEngine", "Sampling"]
+__all__ = ["HFEngine", "MultiTurnEngine", "Rollout", "RolloutEngine", "Sampling"]

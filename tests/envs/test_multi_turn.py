@@ -1,0 +1,150 @@
+from typing import ClassVar
+
+import pytest
+import torch
+
+from gpo.envs import Environment, NumberGuess, Step
+from gpo.policy import completion_logprobs
+from gpo.rollout import HFEngine, MultiTurnEngine, RolloutEngine
+from gpo.rollout.base import concat_rollouts
+from gpo.testing import char_tokenizer, tiny_model
+
+
+class Recording(RolloutEngine):
+    """An engine that remembers what the wrapped engine sampled in each call."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine, self.calls = engine, []
+
+    def setup(self, policy, tokenizer) -> None:
+        self.engine.setup(policy, tokenizer)
+
+    def generate(self, prompt_ids, n, **kwargs):
+        rollout = self.engine.generate(prompt_ids, n, **kwargs)
+        self.calls.append(
+            [
+                ids[mask.bool()].tolist()
+                for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+            ]
+        )
+        return rollout
+
+
+class Echo(Environment):
+    """Answers every action with a fixed text and a reward per turn; never done. Records its seeds."""
+
+    seeds: ClassVar[list] = []
+
+    def __init__(self, *, rewards=(0.0, 0.5, 1.0), observation: str = "ok\n") -> None:
+        self.rewards, self.observation, self.turn = rewards, observation, 0
+
+    def reset(self, seed, task):
+        Echo.seeds.append((seed, task))
+        return "go\n"
+
+    def step(self, action):
+        self.turn += 1
+        return Step(self.observation, self.rewards[self.turn - 1], False, {})
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return tiny_model("llama", seed=0), char_tokenizer()
+
+
+def engine(model_and_tokenizer, env, **kwargs):
+    inner = Recording(HFEngine(max_new_tokens=3, temperature=1.0))
+    e = MultiTurnEngine(engine=inner, env=env, **kwargs)
+    e.setup(*model_and_tokenizer)
+    return e, inner
+
+
+def test_token_ids_are_the_turns_concatenated_and_only_policy_tokens_train(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    e, inner = engine(model_and_tokenizer, Echo(), max_turns=3)
+    rollout = e.generate([tok("hi:").input_ids, tok("abc").input_ids], 2, seed=1)
+    assert len(inner.calls) == 3 and all(len(call) == 4 for call in inner.calls)  # never done: 3 turns x 4 episodes
+    start, between = tok("go\n").input_ids, tok("ok\n").input_ids
+    for row in range(4):
+        policy = [call[row] for call in inner.calls]
+        # first observation, then turn, observation, turn, observation, turn (the last observation is not appended)
+        expected = start + policy[0] + between + policy[1] + between + policy[2]
+        real = rollout.completion_mask[row].bool()
+        assert rollout.completion_ids[row][real].tolist() == expected
+        assert rollout.completion_mask[row].sum() == len(expected)  # attention covers policy and env tokens
+        trains = [0] * len(start) + [1] * len(policy[0]) + [0] * len(between) + [1] * len(policy[1])
+        trains += [0] * len(between) + [1] * len(policy[2])
+        assert rollout.loss_mask[row][: len(expected)].tolist() == trains  # no environment token trains
+        assert rollout.loss_mask[row][len(expected) :].sum() == 0  # nor padding
+    assert rollout.fields["env_return"] == [1.5] * 4 and rollout.fields["turn_rewards"][0] == [0.0, 0.5, 1.0]
+    assert rollout.truncated.all() and rollout.group.tolist() == [0, 0, 1, 1]
+    assert [t["observation"] for t in rollout.fields["turns"][0]] == ["ok\n"] * 3
+
+
+def test_logprobs_are_the_samplers_on_policy_tokens_and_match_the_trainer(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    e, _ = engine(model_and_tokenizer, NumberGuess(), max_turns=3)
+    rollout = e.generate([tok("guess 1-8:").input_ids] * 2, 3, seed=0)
+    policy = rollout.loss_mask.bool()
+    assert torch.all(rollout.logp[~policy] == 0) and torch.all(rollout.logp[policy] < 0)
+    # the trainer scores the whole transcript at once: same ids, same contexts, so the same log-probs
+    scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1])
+    torch.testing.assert_close(scored.logp[policy], rollout.logp[policy], atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_plays_one_episode_seed_and_episodes_stop_when_done(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    Echo.seeds = []
+    e, _ = engine(model_and_tokenizer, Echo(), max_turns=1)
+    e.generate([tok("p").input_ids, tok("q").input_ids], 3, seed=5)
+    seeds = [s for s, _ in Echo.seeds]
+    assert seeds[:3] == [seeds[0]] * 3 and seeds[3:] == [seeds[3]] * 3 and seeds[0] != seeds[3]
+    assert [task for _, task in Echo.seeds] == ["p"] * 3 + ["q"] * 3
+    e.generate([tok("p").input_ids], 1, seed=5)
+    assert Echo.seeds[-1][0] == seeds[0]  # reproducible from the seed
+
+    class WinsAtOnce(Echo):
+        def step(self, action):
+            return Step("bye\n", 2.0, True, {})
+
+    e, inner = engine(model_and_tokenizer, WinsAtOnce(), max_turns=4)
+    rollout = e.generate([tok("p").input_ids], 2, seed=0)
+    assert len(inner.calls) == 1 and rollout.fields["env_done"] == [True, True] and not rollout.truncated.any()
+
+
+def test_step_reward_modes(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    prompts = [tok("p").input_ids]
+    off, _ = engine(model_and_tokenizer, Echo(), max_turns=3)
+    assert off.generate(prompts, 2, seed=0).turn_adv is None
+    # Both episodes get rewards 0, .5, 1. decision_stepwise: credit = reward, group mean .5; beta 2: -1, 0, +1.
+    # env_sparse: credit = reward-to-go 1.5, 1.5, 1, group mean 4/3; beta 3: .5, .5, -1.
+    for mode, beta, per_turn in (("decision_stepwise", 2.0, [-1.0, 0.0, 1.0]), ("env_sparse", 3.0, [0.5, 0.5, -1.0])):
+        e, inner = engine(model_and_tokenizer, Echo(), max_turns=3, step_rewards_mode=mode, step_rewards_beta=beta)
+        rollout = e.generate(prompts, 2, seed=0)
+        for row in range(2):
+            expected = [v for turn, v in enumerate(per_turn) for _ in inner.calls[turn][row]]  # each turn's tokens
+            values = rollout.turn_adv[row][rollout.loss_mask[row].bool()]
+            torch.testing.assert_close(values, torch.tensor(expected), atol=1e-6, rtol=0)
+            assert torch.all(rollout.turn_adv[row][~rollout.loss_mask[row].bool()] == 0)
+
+
+def test_select_and_concat_keep_the_loss_mask(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    e, _ = engine(model_and_tokenizer, Echo(), max_turns=2, step_rewards_mode="decision_stepwise")
+    rollout = e.generate([tok("p").input_ids, tok("qq").input_ids], 2, seed=0)
+    picked = rollout.select([3, 0])
+    assert torch.equal(picked.loss_mask, rollout.loss_mask[[3, 0]])
+    assert torch.equal(picked.turn_adv, rollout.turn_adv[[3, 0]])
+    joined = concat_rollouts([rollout, picked])
+    assert torch.equal(joined.loss_mask[4:], picked.loss_mask) and joined.turn_adv.shape == joined.completion_ids.shape
+    assert torch.equal(rollout.to("cpu").loss_mask, rollout.loss_mask)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="max_turns=0"):
+        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_turns=0)
+    with pytest.raises(ValueError, match="max_concurrent_rollouts=0"):
+        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_concurrent_rollouts=0)
+    with pytest.raises(ValueError, match="choose one of off"):
+        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), step_rewards_mode="dense")

@@ -1,0 +1,142 @@
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from gpo.envs import NumberGuess, TaskApp, TaskAppError
+from gpo.envs.task_app import make_app
+from gpo.rollout import HFEngine, MultiTurnEngine
+from gpo.testing import char_tokenizer, tiny_model
+from tests.envs.servers import Faults, post_json, serve, with_faults
+
+FAST = {"timeout_s": 5.0, "attempts": 3, "backoff_s": 0.01}
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return tiny_model("llama", seed=0), char_tokenizer()
+
+
+def play(model_and_tokenizer, env, *, prompts=2, n=3, **kwargs):
+    e = MultiTurnEngine(engine=HFEngine(max_new_tokens=2), env=env, max_turns=3, **kwargs)
+    e.setup(*model_and_tokenizer)
+    _, tok = model_and_tokenizer
+    return e.generate([tok("guess 1-8:").input_ids] * prompts, n, seed=3)
+
+
+def open_episodes(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+        return __import__("json").loads(response.read())["episodes"]
+
+
+def test_the_task_app_gives_the_same_rollout_as_the_environment_in_process(model_and_tokenizer):
+    local = play(model_and_tokenizer, NumberGuess())
+    with serve(make_app(NumberGuess())) as url:
+        remote = play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        assert open_episodes(url) == 0  # every episode closed
+    assert torch.equal(remote.completion_ids, local.completion_ids)
+    assert torch.equal(remote.loss_mask, local.loss_mask) and remote.fields == local.fields
+
+
+def test_protocol_example_exchange():
+    with serve(make_app(NumberGuess(low=1, high=8))) as url:
+        status, created = post_json(f"{url}/episodes", {"seed": 3, "task": "guess 1-8:", "id": "e1"})
+        assert (status, created) == (200, {"id": "e1", "observation": ""})
+        assert post_json(f"{url}/episodes", {"seed": 3, "task": "guess 1-8:", "id": "e1"})[1] == created  # idempotent
+        secret = __import__("random").Random(3).randint(1, 8)
+        wrong = 1 if secret != 1 else 2
+        status, answer = post_json(f"{url}/episodes/e1/step", {"action": str(wrong), "turn": 0})
+        hint = "higher\n" if wrong < secret else "lower\n"
+        assert (status, answer) == (200, {"observation": hint, "reward": 0.0, "done": False, "info": {"guess": wrong}})
+        assert post_json(f"{url}/episodes/e1/step", {"action": "x", "turn": 0})[1] == answer  # a retry: same answer
+        assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": 5})[0] == 409  # out of order
+        done = post_json(f"{url}/episodes/e1/step", {"action": str(secret), "turn": 1})[1]
+        assert done == {"observation": "correct\n", "reward": 1.0, "done": True, "info": {"guess": secret}}
+        assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": 2})[0] == 409  # after done
+        assert post_json(f"{url}/episodes/nope/step", {"action": "1"})[0] == 404
+        assert post_json(f"{url}/episodes", {"task": "no seed"})[0] == 400
+        request = urllib.request.Request(f"{url}/episodes/e1", method="DELETE")
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+        assert open_episodes(url) == 0
+
+
+def test_500s_then_success_are_retried(model_and_tokenizer):
+    clean = play(model_and_tokenizer, NumberGuess())
+    faults = Faults(where="/episodes", fail_first=2)  # every create, step and close answers 500 twice first
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        rollout = play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        assert open_episodes(url) == 0
+    assert torch.equal(rollout.completion_ids, clean.completion_ids) and rollout.fields == clean.fields
+    assert faults.count("POST", "/step") == 3 * sum(len(t) for t in clean.fields["turns"])  # each step tried 3 times
+    assert faults.count("DELETE", "/episodes") == 3 * 6
+
+
+def test_a_step_applied_but_answered_500_is_not_applied_twice(model_and_tokenizer):
+    clean = play(model_and_tokenizer, NumberGuess())
+    faults = Faults(where="/step", lose_answer=1)  # the app steps, then the answer is lost; the retry must not step
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        rollout = play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+    assert rollout.fields == clean.fields
+
+
+def test_an_app_that_keeps_failing_fails_the_rollout_and_closes_every_episode(model_and_tokenizer):
+    faults = Faults(where="/step", fail_first=float("inf"))
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        with pytest.raises(TaskAppError) as error:
+            play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        assert open_episodes(url) == 0  # nothing left open on the app
+    message = str(error.value)
+    assert f"task_url={url}" in message and "failed after 3 attempt(s)" in message and "HTTP 500" in message
+    assert faults.count("POST", "/step") == 6 * 3 and faults.count("DELETE", "/episodes") == 6
+
+
+def test_an_app_that_times_out_fails_after_its_retries(model_and_tokenizer):
+    faults = Faults(where="/step", delay_s=2.0)
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        started = time.perf_counter()
+        with pytest.raises(TaskAppError, match=r"no answer within timeout_s=0.2"):
+            play(model_and_tokenizer, TaskApp(task_url=url, timeout_s=0.2, attempts=2, backoff_s=0.01))
+        assert time.perf_counter() - started < 1.5  # 2 tries of 0.2 s, not the app's 2 s
+        assert open_episodes(url) == 0
+
+
+def test_an_app_that_is_down_is_named(model_and_tokenizer):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(TaskAppError, match=rf"task_url={url} \(is it running\?.*GET {url}/health failed after 2"):
+        play(model_and_tokenizer, TaskApp(task_url=url, timeout_s=1.0, attempts=2, backoff_s=0.01))
+
+
+def test_max_concurrent_rollouts_bounds_the_requests_in_flight(model_and_tokenizer):
+    faults = Faults(where="/episodes", delay_s=0.05)
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        play(model_and_tokenizer, TaskApp(task_url=url, **FAST), prompts=4, n=2, max_concurrent_rollouts=3)
+    assert faults.max_in_flight == 3
+
+
+def test_python_m_task_app_serves_on_the_given_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "gpo.envs.task_app", "--port", str(port), "--env-args", '{"high": 4}']
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert open_episodes(f"http://127.0.0.1:{port}") == 0
+                break
+            except OSError:
+                assert process.poll() is None, process.stderr.read().decode()
+                assert time.monotonic() < deadline, "the task app did not start within 30 s"
+                time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(10)
