@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """More than one process in the default group (an in-process vLLM engine starts a group of one)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world_size() -> int:
