@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpo.algo.gates import NoGate, RatioGate
+from gpo.algo.presets import AlgorithmKnobs
 from gpo.scoring import reward_name
 
 log = logging.getLogger(__name__)
@@ -176,3 +177,36 @@ def _column_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None
         return None
     first_two = [p for p in parameters if p.kind in _POSITIONAL][:2]
     return [p for p in parameters if p.kind in _NAMED and p not in first_two]
+
+
+def check_module_arguments(policy, rewards, group_size, old_logprobs, export, knobs, mixer, tokenizer) -> None:
+    """What can be refused from the arguments alone, before any weights load (the rest: ``setup``)."""
+    if isinstance(policy, str):
+        check_pretrained_folder(policy, "model.policy", "model")
+    field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
+    if isinstance(path, str):
+        check_pretrained_folder(path, field, "tokenizer")
+    if not rewards:
+        raise ValueError("model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
+    for index, fn in enumerate(rewards):
+        check_reward_signature(fn, index)
+    weights = getattr(mixer, "weights", None)
+    if weights is not None and len(weights) != len(rewards):
+        raise ValueError(
+            f"model.mixer ({type(mixer).__name__}) has {len(weights)} weights for the {len(rewards)} functions "
+            "in model.rewards; give one weight per reward function, in the same order."
+        )
+    if group_size < 2:
+        raise ValueError(
+            f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
+            "set it to >= 2 (8 is usual)."
+        )
+    if knobs is not None and knobs.group_size not in (group_size, AlgorithmKnobs().group_size):
+        raise ValueError(
+            f"model.knobs.group_size={knobs.group_size} is not used: model.group_size={group_size} sets the "
+            f"group size. Set model.group_size: {knobs.group_size} and remove knobs.group_size."
+        )
+    if old_logprobs not in ("rollout", "batch"):
+        raise ValueError(f"model.ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
+    if export not in ("merged", "adapter", "none"):
+        raise ValueError(f"model.export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")

@@ -36,15 +36,13 @@ from gpo.algo import (
     mismatch_metrics,
     overlong_filter,
 )
-from gpo.algo.gates import router_logprobs
 from gpo.algo.objective import PolicyObjective
 from gpo.checkpointing import AtomicCheckpointIO
 from gpo.checks import (
     check_context,
     check_minibatches,
-    check_pretrained_folder,
+    check_module_arguments,
     check_reward_columns,
-    check_reward_signature,
     check_tokenizer,
     warn_if_no_trust_region,
 )
@@ -60,12 +58,14 @@ from gpo.models import (
     training_mode,
     unwrap,
 )
-from gpo.policy import completion_logprobs
+from gpo.nonfinite import NonfiniteGuard
+from gpo.policy import completion_logprobs, completion_router_logp
 from gpo.random_state import capture_random_state, restore_random_state
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.rollout.hf import HFEngine
-from gpo.scoring import RewardErrors, RewardFn, reward_name, score
+from gpo.scoring import RewardErrors, RewardFn, score
 from gpo.settings import Evaluation, Optimization
+from gpo.step_metrics import step_metrics, throughput
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class GPOModule(LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self._check_arguments(policy, rewards, group_size, ppo_clip_ref_logprobs, export, knobs, mixer, tokenizer)
+        check_module_arguments(policy, rewards, group_size, ppo_clip_ref_logprobs, export, knobs, mixer, tokenizer)
         self.engine = engine or HFEngine()
         preset = build_algorithm(algorithm, self._complete_knobs(knobs, group_size))
         self.advantage = advantage or preset.advantage
@@ -170,42 +170,8 @@ class GPOModule(LightningModule):
         needs_reference = kl is not None and kl.beta > 0 and not is_peft(self.policy)
         self._reference = (copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval(),) if needs_reference else ()
         self._extra_prompts, self._seeds_used, self._rollout_time, self._generated_tokens = None, 0, 0.0, 0.0
-        self._extra_batches_drawn, self._nonfinite_streak, self._restored_random_state = 0, 0, None
-
-    @staticmethod
-    def _check_arguments(policy, rewards, group_size, old_logprobs, export, knobs, mixer, tokenizer) -> None:
-        """What can be refused from the arguments alone, before any weights load (the rest: ``setup``)."""
-        if isinstance(policy, str):
-            check_pretrained_folder(policy, "model.policy", "model")
-        field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
-        if isinstance(path, str):
-            check_pretrained_folder(path, field, "tokenizer")
-        if not rewards:
-            raise ValueError(
-                "model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match)."
-            )
-        for index, fn in enumerate(rewards):
-            check_reward_signature(fn, index)
-        weights = getattr(mixer, "weights", None)
-        if weights is not None and len(weights) != len(rewards):
-            raise ValueError(
-                f"model.mixer ({type(mixer).__name__}) has {len(weights)} weights for the {len(rewards)} functions "
-                "in model.rewards; give one weight per reward function, in the same order."
-            )
-        if group_size < 2:
-            raise ValueError(
-                f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
-                "set it to >= 2 (8 is usual)."
-            )
-        if knobs is not None and knobs.group_size not in (group_size, AlgorithmKnobs().group_size):
-            raise ValueError(
-                f"model.knobs.group_size={knobs.group_size} is not used: model.group_size={group_size} sets the "
-                f"group size. Set model.group_size: {knobs.group_size} and remove knobs.group_size."
-            )
-        if old_logprobs not in ("rollout", "batch"):
-            raise ValueError(f"model.ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
-        if export not in ("merged", "adapter", "none"):
-            raise ValueError(f"model.export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")
+        self._extra_batches_drawn, self._restored_random_state = 0, None
+        self.nonfinite = NonfiniteGuard(self.optim.max_consecutive_nonfinite)
 
     def _complete_knobs(self, knobs: AlgorithmKnobs | None, group_size: int) -> AlgorithmKnobs:
         """The preset knobs with the module's group size and, unless set, the engine's generation budget."""
@@ -272,7 +238,7 @@ class GPOModule(LightningModule):
         # Under DDP each rank has its own draws (extra prompt batches, generators): all are saved, each reads its own.
         draws = {"random_state": capture_random_state(), "extra_batches_drawn": self._extra_batches_drawn}
         ranks = distributed.gather_objects(draws)
-        checkpoint["gpo"] = {**draws, "nonfinite_streak": self._nonfinite_streak}
+        checkpoint["gpo"] = {**draws, "nonfinite_streak": self.nonfinite.streak}
         if len(ranks) > 1:
             checkpoint["gpo"]["ranks"] = ranks
 
@@ -283,7 +249,7 @@ class GPOModule(LightningModule):
             log.warning("checkpoint of %d processes resumed by %d: all resume rank 0's draws", len(ranks), size)
         own = ranks[distributed.rank()] if len(ranks) == size else ranks[0]
         self._extra_batches_drawn = own.get("extra_batches_drawn", 0)
-        self._nonfinite_streak = state.get("nonfinite_streak", 0)
+        self.nonfinite.streak = state.get("nonfinite_streak", 0)
         self._restored_random_state = own.get("random_state")
 
     def on_train_start(self) -> None:
@@ -316,10 +282,10 @@ class GPOModule(LightningModule):
         metrics = self._optimise(rollout, adv, mask)
         training_time = time.perf_counter() - started - sampling_time
         times = (self._rollout_time, sampling_time - self._rollout_time, training_time)
-        metrics.update(_throughput(rollout, self._generated_tokens, *times))
+        metrics.update(throughput(rollout, self._generated_tokens, *times))
         metrics = {
             **distributed.mean_over_ranks({k: float(v) for k, v in metrics.items()}),
-            **self._step_metrics(step, step_adv),
+            **step_metrics(step, step_adv, self.rewards, self._reward_errors_seen),
         }
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
         self.log("reward", float(metrics["reward/mean"]), prog_bar=True, on_step=True)
@@ -472,8 +438,7 @@ class GPOModule(LightningModule):
                 minibatch_loss = distributed.mean_over_ranks({"loss": minibatch_loss})["loss"]  # over the global batch
                 max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
                 norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
-                if not (math.isfinite(minibatch_loss) and math.isfinite(norm)):
-                    self._skip_nonfinite(minibatch_loss, norm)  # names the parameters, so before zero_grad
+                if not self.nonfinite.finite(minibatch_loss, norm, self.policy, self.trainer.global_step):
                     optimizer.zero_grad()
                     skipped += 1
                     continue
@@ -481,7 +446,7 @@ class GPOModule(LightningModule):
                 sums["grad/norm"] += norm
                 optimizer.step()
                 scheduler.step()
-                self._nonfinite_streak, updates = 0, updates + 1
+                updates += 1
         out = {key: value / self.optim.ppo_epochs for key, value in sums.items()}
         for per_update in ("loss", "grad/norm"):
             out[per_update] = sums[per_update] / updates if updates else math.nan
@@ -494,24 +459,6 @@ class GPOModule(LightningModule):
         ranks may run different numbers of micro-batches."""
         strategy = self.trainer.strategy
         return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) and not sync else nullcontext()
-
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
-        """Log an update dropped for a NaN/inf loss or gradient; stop after too many in a row."""
-        self._nonfinite_streak += 1
-        bad = [name for name, p in self.policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
-        what = f"loss={loss}" if not math.isfinite(loss) else f"gradient norm={grad_norm}"
-        where = f" (non-finite gradients in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
-        step = self.trainer.global_step
-        log.warning(
-            "optimiser step %d: %s%s; update skipped, weights unchanged (%d in a row)",
-            step, what, where, self._nonfinite_streak,
-        )  # fmt: skip
-        if self._nonfinite_streak >= self.optim.max_consecutive_nonfinite:
-            raise FloatingPointError(
-                f"{self._nonfinite_streak} updates in a row had a non-finite loss or gradient (last at optimiser "
-                f"step {step}: {what}{where}). Stopping. Lower optim.lr, check the rewards and the policy's "
-                "dtype, or raise optim.max_consecutive_nonfinite to tolerate more."
-            )
 
     def _micro_loss(self, rollout, adv, mask, inputs, rows, normaliser) -> tuple[Tensor, dict]:
         width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
@@ -536,25 +483,6 @@ class GPOModule(LightningModule):
             entropy=out.entropy, **sliced, **gate_inputs,
         )  # fmt: skip
 
-    def _step_metrics(self, step: dict[str, Tensor], adv: Tensor) -> dict[str, Tensor]:
-        """Statistics of the step's rows over every rank (``step`` and ``adv`` as from ``gather_step``)."""
-        lengths, reward, scores, mask = step["lengths"].float(), step["reward"], step["scores"], step["mask"]
-        metrics = {
-            "reward/mean": reward.mean(),
-            "reward/std": reward.std() if len(reward) > 1 else reward.new_zeros(()),
-            "completion/len_mean": lengths.mean(),
-            "completion/len_max": lengths.max(),
-            "completion/truncated_frac": step["truncated"].mean(),
-            "adv/mean": (adv * mask).sum() / mask.sum().clamp_min(1),
-            "adv/abs_mean": (adv.abs() * mask).sum() / mask.sum().clamp_min(1),
-        }
-        for k, fn in enumerate(self.rewards):
-            metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
-        for name, count in distributed.total_over_ranks(dict(self._reward_errors_seen)).items():  # reward_errors.value
-            metrics[f"reward_errors/{name}"] = torch.tensor(float(count))
-        self._reward_errors_seen.clear()
-        return metrics
-
     # ---- evaluation and export --------------------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -574,22 +502,3 @@ class GPOModule(LightningModule):
             folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "export"  # log_dir: on every rank
             if self.trainer.is_global_zero:
                 export_policy(self.policy, self.tokenizer, folder, merge=self.export == "merged")
-
-
-def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, width: int) -> Tensor:
-    """Router log-probs ``[L, B, T, E]`` aligned with the last ``width`` tokens (shifted like the logits)."""
-    return router_logprobs(router_logits, batch_size)[:, :, -width - 1 : -1]
-
-
-def _throughput(
-    rollout: Rollout, generated: float, rollout_s: float, scoring_s: float, training_s: float
-) -> dict[str, float]:
-    """Step time split and tokens/s: ``generated`` counts every sampled round, ``rollout`` is what trained."""
-    processed = float(rollout.attention_mask.sum())
-    return {
-        "time/rollout_s": rollout_s,
-        "time/scoring_s": scoring_s,
-        "time/training_s": training_s,
-        "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
-        "throughput/training_tokens_per_s": processed / max(training_s, 1e-9),
-    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from gpo.algo.gates import router_logprobs
 from gpo.algo.logprobs import TokenLogProbs, linear_token_logprobs, token_logprobs
 
 # Config attributes of models whose logits are not a plain linear map of the last hidden state.
@@ -58,3 +59,8 @@ def completion_logprobs(
         logprobs = token_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
     router = getattr(out, "router_logits", None) if output_router_logits else None
     return logprobs, router
+
+
+def completion_router_logp(router_logits: tuple[Tensor, ...], batch_size: int, width: int) -> Tensor:
+    """Router log-probs ``[L, B, T, E]`` aligned with the last ``width`` tokens (shifted like the logits)."""
+    return router_logprobs(router_logits, batch_size)[:, :, -width - 1 : -1]
