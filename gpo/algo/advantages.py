@@ -69,7 +69,7 @@ class GroupNormAdvantage(AdvantageEstimator):
         self.scale, self.std, self.eps = scale, std, eps
 
     def __call__(self, reward: Tensor, group: Tensor, mask: Tensor) -> Tensor:
-        reward = reward.to(torch.float32)
+        reward = reward.to(torch.float64)  # exact sums: equal rewards give exactly zero spread
         unbiased = self.std == "sample"
         mean, group_std, _ = group_mean_std(reward, group, unbiased=unbiased)  # [B] each
         centred = reward - mean  # [B]
@@ -91,7 +91,7 @@ class LeaveOneOutAdvantage(AdvantageEstimator):
     """
 
     def __call__(self, reward: Tensor, group: Tensor, mask: Tensor) -> Tensor:
-        reward = reward.to(torch.float32)
+        reward = reward.to(torch.float64)  # exact sums: equal rewards give exactly zero spread
         index, n_groups = group_index(group)
         count = group_sum(torch.ones_like(reward), index, n_groups)  # [B]
         total = group_sum(reward, index, n_groups)  # [B]
@@ -115,7 +115,7 @@ class BatchWhitenedAdvantage(AdvantageEstimator):
         self.std, self.eps = std, eps
 
     def __call__(self, reward: Tensor, group: Tensor, mask: Tensor) -> Tensor:
-        reward = reward.to(torch.float32)
+        reward = reward.to(torch.float64)  # exact sums: equal rewards give exactly zero spread
         mean, _, _ = group_mean_std(reward, group)
         centred = reward - mean  # [B]
         whitened = centred - centred.mean()
@@ -132,7 +132,7 @@ class RankAdvantage(AdvantageEstimator):
     """
 
     def __call__(self, reward: Tensor, group: Tensor, mask: Tensor) -> Tensor:
-        reward = reward.to(torch.float32)
+        reward = reward.to(torch.float64)  # exact sums: equal rewards give exactly zero spread
         same_group = group[:, None] == group[None, :]  # [B, B]
         below = (reward[None, :] < reward[:, None]) & same_group  # [B, B]
         tied = (reward[None, :] == reward[:, None]) & same_group  # [B, B], includes i itself

@@ -59,13 +59,13 @@ class GroupNormalizedSum(RewardMixer):
         self.eps = eps
 
     def __call__(self, scores: Tensor, group: Tensor) -> Tensor:
-        scores = scores.to(torch.float32)
-        w = _weights(self.weights, scores.shape[-1], "weights").to(scores.device)
+        scores = scores.to(torch.float64)  # exact sums: a column equal within a group gives exactly zero spread
+        w = _weights(self.weights, scores.shape[-1], "weights").to(scores.device, torch.float64)
         columns = []
         for k in range(scores.shape[-1]):
             mean, std, _ = group_mean_std(scores[:, k], group)
             columns.append(safe_divide(scores[:, k] - mean, std, self.eps))
-        return torch.stack(columns, dim=-1) @ w  # [B]
+        return (torch.stack(columns, dim=-1) @ w).float()  # [B]
 
 
 class EnvEventOutcomeBlend(WeightedSum):

@@ -56,7 +56,9 @@ class KLPenalty:
 
     def loss_term(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """``beta * k_t`` per token ``[B, T]`` (grad through ``logp``) and the mean KL for logging."""
-        kl = torch.where(mask.bool(), kl_estimate(logp, ref_logp, self.estimator), torch.zeros_like(logp))
+        on = mask.bool()  # padding is zeroed before the estimate: NaN there must not reach the gradient
+        logp, ref_logp = torch.where(on, logp, 0.0), torch.where(on, ref_logp.detach(), 0.0)
+        kl = torch.where(on, kl_estimate(logp, ref_logp, self.estimator), torch.zeros_like(logp))
         return self.beta * kl, {"kl/mean": masked_mean(kl, mask).detach()}
 
     def reward_penalty(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:

@@ -19,7 +19,9 @@ def _coarse_divergence(p: Tensor, q: Tensor, kind: str) -> Tensor:
     """TV or KL(p || q) between two distributions given as bins on the last axis."""
     if kind == "tv":
         return 0.5 * (p - q).abs().sum(-1)
-    return (xlogy(p, p) - xlogy(p, q)).sum(-1)
+    # q floored at the smallest normal float: an empty bin of q with mass in p is a huge divergence, not inf;
+    # the sum is clamped at 0 against rounding when p == q
+    return (xlogy(p, p) - xlogy(p, q.clamp_min(torch.finfo(q.dtype).tiny))).sum(-1).clamp_min(0)
 
 
 def _with_rest(probs: Tensor) -> Tensor:
