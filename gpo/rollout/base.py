@@ -189,10 +189,17 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[list[int]], n: int, *, greedy: bool = False, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        logprobs: bool = True,
     ) -> Rollout:
         """Sample ``n`` completions of each prompt (token ids, no padding); rows of prompt ``i`` get group ``i``.
 
-        Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, where the engine has them, the
-        sampled tokens' ``logp`` at the sampling temperature. Texts and dataset fields are the caller's to add.
+        Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, when ``logprobs`` is asked for and
+        the engine has them, the sampled tokens' ``logp`` at the sampling temperature. Texts and dataset fields
+        are the caller's to add; an engine may add fields of its own (a multi-turn engine's episode records).
         """
