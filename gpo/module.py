@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo import distributed
+from gpo import distributed, strategies
 from gpo.algo import (
     AdvantageEstimator,
     AlgorithmKnobs,
@@ -215,9 +215,22 @@ class GPOModule(LightningModule):
                 data.prompts_per_step, self.group_size, self.optim.number_of_minibatches, distributed.world_size()
             )
         warn_if_no_trust_region(self.optim.number_of_minibatches * self.optim.ppo_epochs, self.gate)
+        strategies.check_strategy(self.trainer.strategy)
+        if strategies.is_sharded(self.trainer.strategy) and self.export != "none":
+            raise ValueError(
+                f"model.export={self.export!r} under FSDP is not supported yet (the policy is sharded over the "
+                "processes): set model.export: none (configs/fsdp.yaml does)."
+            )
         self.engine.setup(self.model, self.tokenizer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def configure_model(self) -> None:
+        # FSDP2: the policy's blocks and the frozen reference's are sharded alike; other strategies change nothing.
+        if strategies.is_sharded(self.trainer.strategy):
+            self.trainer.strategy.shard(self.model)
+            for reference in self._reference:
+                self.trainer.strategy.shard(reference, trainable=False)
 
     def on_fit_start(self) -> None:
         # Dropout (if any) acts only in the gradient pass: sampling and scoring run in eval mode (see training_mode).
@@ -374,7 +387,9 @@ class GPOModule(LightningModule):
 
     def _ref_logp(self, rollout: Rollout) -> Tensor:
         if self._reference:
-            return self._score_tokens(self._reference[0], rollout)
+            ref_logp = self._score_tokens(self._reference[0], rollout)
+            strategies.reshard(self._reference[0])  # FSDP2: the reference's root unit is not kept gathered
+            return ref_logp
         with adapter_disabled(self.policy) as reference:
             return self._score_tokens(reference, rollout)
 
@@ -428,6 +443,8 @@ class GPOModule(LightningModule):
                 optimizer.zero_grad()
                 minibatch_loss = 0.0
                 micros = rows.split(self.optim.micro_batch_size or len(rows))
+                if strategies.is_sharded(self.trainer.strategy):
+                    strategies.check_same_count(len(micros), "micro-batches", self.device)
                 for index, micro in enumerate(micros):
                     loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
                     with self._gradient_sync(index == len(micros) - 1):
@@ -437,7 +454,7 @@ class GPOModule(LightningModule):
                         sums[key] += float(value) * len(micro) / len(rollout)
                 minibatch_loss = distributed.mean_over_ranks({"loss": minibatch_loss})["loss"]  # over the global batch
                 max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
-                norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+                norm = float(strategies.clip_grad_norm(self.policy.parameters(), max_norm))  # FSDP2: global norm
                 if not self.nonfinite.finite(minibatch_loss, norm, self.policy, self.trainer.global_step):
                     optimizer.zero_grad()
                     skipped += 1

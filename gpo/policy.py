@@ -46,7 +46,8 @@ def completion_logprobs(
     kwargs = {"attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
     if output_router_logits:
         kwargs["output_router_logits"] = True
-    if has_plain_output_layer(model):
+    # FSDP2 gathers the root unit (embeddings, output layer) only in the model's own forward: no decoder-only call
+    if has_plain_output_layer(model) and not getattr(model, "_is_fsdp_managed_module", False):
         out = model.base_model(input_ids=input_ids, **kwargs)
         hidden = out.last_hidden_state[:, start - 1 : -1]  # [B, T, H]
         head = model.get_output_embeddings()

@@ -28,7 +28,8 @@ def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None, e
     args = ["fit", *(f"--config={c}" for c in configs)]
     args += [f"--model.policy={policy or dense}", f"--data.path={data}", "--data.val_path=null"]
     args += ["--trainer.val_check_interval=1.0"]  # the quickstart validates every 200 steps; these runs are shorter
-    args += [f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root / 'runs'}"]
+    run = "-".join(Path(c).stem for c in configs)  # a folder per run: sharded checkpoints are folders, not files
+    args += [f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root / 'runs' / run}"]
     main([*args, "--trainer.enable_progress_bar=false", *extra])
 
 
