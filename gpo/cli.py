@@ -24,7 +24,7 @@ class GPOCLI(LightningCLI):
     appends to its newest log folder."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("model.policy", "data.tokenizer")
+        parser.link_arguments(("model.policy", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_folder)
 
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
@@ -42,6 +42,11 @@ class GPOCLI(LightningCLI):
 
     def _callback_keys(self) -> list[str]:
         return list(self._parser(self.subcommand).callback_keys) if self.subcommand else []
+
+
+def _tokenizer_folder(policy, tokenizer) -> str:
+    """The data module tokenises prompts with ``model.tokenizer`` when it names a folder, else the policy's."""
+    return tokenizer if isinstance(tokenizer, str) else policy
 
 
 def _as_list(value) -> list:

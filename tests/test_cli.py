@@ -57,3 +57,16 @@ def test_a_logger_the_user_sets_replaces_the_defaults(root):
     assert (own / "lightning_logs/version_0/metrics.csv").is_file()
     assert not list(own.rglob("events.out.tfevents.*"))
     assert not list(fit(root, "none", "--trainer.logger=false").rglob("metrics.csv"))
+
+
+def test_model_tokenizer_also_tokenises_the_prompts(root, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    (root / "model" / "tokenizer.json").rename(tmp_path / "moved.json")  # the policy folder alone would now fail
+    try:
+        fit(root, "own_tokenizer", f"--model.tokenizer={tmp_path / 'tok'}")
+    finally:
+        (tmp_path / "moved.json").rename(root / "model" / "tokenizer.json")
+    assert (root / "own_tokenizer/lightning_logs/version_0/metrics.csv").is_file()
