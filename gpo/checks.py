@@ -140,16 +140,28 @@ def check_context(longest_prompt: tuple[int, str], max_new_tokens: int | None, c
         )
 
 
-def check_minibatches(prompts_per_step: int, group_size: int, number_of_minibatches: int) -> None:
-    """The rollout of one step splits into ``number_of_minibatches`` equal minibatches."""
+def check_minibatches(prompts_per_step: int, group_size: int, number_of_minibatches: int, ranks: int = 1) -> None:
+    """The rollout of one step splits into ``number_of_minibatches`` equal minibatches; under DDP each of the
+    ``ranks`` processes splits its own ``prompts_per_step / ranks`` prompts, so that share has to split evenly."""
     rollout = prompts_per_step * group_size
     if rollout % number_of_minibatches:
-        divisors = [d for d in range(1, rollout + 1) if rollout % d == 0]
         raise ValueError(
             f"model.optim.number_of_minibatches={number_of_minibatches} does not divide the rollout of "
             f"data.prompts_per_step x model.group_size = {prompts_per_step} x {group_size} = {rollout} "
-            f"completions; choose one of {divisors}, or change prompts_per_step or group_size."
+            f"completions; choose one of {_divisors(rollout)}, or change prompts_per_step or group_size."
         )
+    rows = prompts_per_step // ranks * group_size
+    if ranks > 1 and rows % number_of_minibatches:
+        raise ValueError(
+            f"model.optim.number_of_minibatches={number_of_minibatches} does not divide each rank's rollout of "
+            f"data.prompts_per_step / ranks x model.group_size = {prompts_per_step} / {ranks} x {group_size} = "
+            f"{rows} completions (each of the {ranks} processes splits its own share); choose one of "
+            f"{_divisors(rows)}."
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def warn_if_no_trust_region(updates_per_rollout: int, gate: RatioGate) -> None:

@@ -117,21 +117,6 @@ def total_over_ranks(counts: dict[str, float]) -> dict[str, float]:
     return combine_metrics(gather_objects(counts), sum)
 
 
-def check_shards(prompts_per_step: int, group_size: int, number_of_minibatches: int, ranks: int) -> None:
-    """Under DDP every rank splits its own ``prompts_per_step / ranks`` prompts into ``number_of_minibatches``
-    minibatches, so that split has to come out even on each rank."""
-    if ranks == 1:
-        return
-    rows = prompts_per_step // ranks * group_size
-    if rows % number_of_minibatches:
-        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-        raise ValueError(
-            f"model.optim.number_of_minibatches={number_of_minibatches} does not divide each rank's rollout of "
-            f"data.prompts_per_step / ranks x model.group_size = {prompts_per_step} / {ranks} x {group_size} = "
-            f"{rows} completions (each of the {ranks} processes splits its own share); choose one of {divisors}."
-        )
-
-
 def gather_step(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], slice]:
     """A step's per-row values over every rank's rows (in rank order, widths zero-padded to the widest) and the slice
     of them that is this rank's. Group ids become ``group * W + rank``: distinct across ranks, and unchanged in a

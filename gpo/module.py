@@ -210,10 +210,8 @@ class GPOModule(LightningModule):
             check_reward_columns(self.rewards, data.columns, data.prompt_column)
             budget = getattr(getattr(self.engine, "sampling", None), "max_new_tokens", None)
             check_context(data.longest_prompt, budget, getattr(self.model.config, "max_position_embeddings", None))
-            check_minibatches(data.prompts_per_step, self.group_size, self.optim.number_of_minibatches)
-            distributed.check_shards(
-                data.prompts_per_step, self.group_size, self.optim.number_of_minibatches, distributed.world_size()
-            )
+            minibatches, ranks = self.optim.number_of_minibatches, distributed.world_size()
+            check_minibatches(data.prompts_per_step, self.group_size, minibatches, ranks)
         warn_if_no_trust_region(self.optim.number_of_minibatches * self.optim.ppo_epochs, self.gate)
         strategies.check_strategy(self.trainer.strategy)
         if strategies.is_sharded(self.trainer.strategy) and self.export != "none":

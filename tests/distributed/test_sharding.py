@@ -8,6 +8,7 @@ import torch
 
 from gpo import distributed
 from gpo.callbacks import DynamicSampling
+from gpo.checks import check_minibatches
 from gpo.data import EpochOrder, PromptDataModule
 
 
@@ -54,9 +55,9 @@ def test_prompts_per_step_that_does_not_split_over_the_processes_is_refused_nami
 
 
 def test_minibatches_that_do_not_divide_a_ranks_share_are_refused_with_the_valid_counts():
-    distributed.check_shards(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=1)  # 12 rows: fine
+    check_minibatches(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=1)  # 12 rows: fine
     with pytest.raises(ValueError, match=r"number_of_minibatches=4 .* 4 / 2 x 3 = 6 .* \[1, 2, 3, 6\]"):
-        distributed.check_shards(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=2)
+        check_minibatches(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=2)
 
 
 def test_dynamic_sampling_num_groups_is_global_and_must_split_over_the_processes():
