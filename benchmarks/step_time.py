@@ -58,6 +58,8 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
+from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+
 from gpo.data import PromptDataModule
 from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
@@ -253,12 +255,6 @@ def print_profile(profiler: cProfile.Profile, top: int) -> None:
         print("```")
 
 
-def mean_sd(values: list[float]) -> str:
-    """``"mean ± sd"`` with three decimals."""
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
-
-
 def report(steps: list[Step]) -> None:
     """Print the time split, the overhead, the throughputs and the token counts as Markdown."""
     mean = statistics.mean
@@ -316,16 +312,7 @@ def report(steps: list[Step]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=256, help="tiny llama hidden size (default: %(default)s)")
-    parser.add_argument("--num-layers", type=int, default=4, help="tiny llama layers (default: %(default)s)")
-    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion budget (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run and of sampling (default: %(default)s)")
+    add_workload_arguments(parser)
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="print cProfile's TOP entries for the measured gpo steps instead"
     )

@@ -47,6 +47,8 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
+from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
 
@@ -103,11 +105,6 @@ class StepClock(TrainerCallback):
         self.current = dict.fromkeys(self.current, 0.0)
         self.current_tokens = 0
         self.last_end = time.perf_counter()
-
-
-def mean_sd(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
 def run(args: argparse.Namespace, root: Path) -> StepClock:
@@ -183,16 +180,7 @@ def report(clock: StepClock, warmup: int) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=256, help="tiny llama hidden size (default: %(default)s)")
-    parser.add_argument("--num-layers", type=int, default=4, help="tiny llama layers (default: %(default)s)")
-    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion budget (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run (default: %(default)s)")
+    add_workload_arguments(parser)
     return parser.parse_args()
 
 

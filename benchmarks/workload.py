@@ -1,0 +1,26 @@
+"""What the step-time benchmarks share: the tiny-llama GRPO workload's command-line arguments and a mean ± sd."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model size, batch, completion budget, learning rate, step counts, threads and seed of the workload."""
+    parser.add_argument("--hidden-size", type=int, default=256, help="tiny llama hidden size (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=4, help="tiny llama layers (default: %(default)s)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion budget (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run and of sampling (default: %(default)s)")
+
+
+def mean_sd(values: list[float]) -> str:
+    """``"mean ± sd"`` with three decimals."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
