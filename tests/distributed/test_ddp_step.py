@@ -1,22 +1,15 @@
 """Under Lightning's DDP (2 processes, CPU, gloo) a training step on a global batch gives the loss and the parameter
 update of one process training on that whole batch: the prompts are sharded, the batch statistics are global."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.distributed import ddp_step
+from tests.ports import free_port
 
 # float32: the ranks sum the same terms in another order (all-reduce of averaged gradients, gathered rewards)
 RTOL, ATOL = 1e-4, 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,13 @@
 """gpo's FSDP2 strategy on CPU (2 processes, gloo): a training step equals one process's step on the global batch,
 and a run checkpointed as per-process shards resumes to end exactly like the run never stopped."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.distributed import ddp_step, fsdp_step
 from tests.distributed.test_ddp_step import assert_same_step, max_difference
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="module")

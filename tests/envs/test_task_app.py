@@ -1,4 +1,3 @@
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from gpo.envs.task_app import make_app
 from gpo.rollout import HFEngine, MultiTurnEngine
 from gpo.testing import char_tokenizer, tiny_model
 from tests.envs.servers import Faults, post_json, serve, with_faults
+from tests.ports import free_port
 
 FAST = {"timeout_s": 5.0, "attempts": 3, "backoff_s": 0.01}
 
@@ -106,10 +106,7 @@ def test_an_app_that_times_out_fails_after_its_retries(model_and_tokenizer):
 
 
 def test_an_app_that_is_down_is_named(model_and_tokenizer):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     with pytest.raises(TaskAppError, match=rf"task_url={url} \(is it running\?.*GET {url}/health failed after 2"):
         play(model_and_tokenizer, TaskApp(task_url=url, timeout_s=1.0, attempts=2, backoff_s=0.01))
 
@@ -122,9 +119,7 @@ def test_max_concurrent_rollouts_bounds_the_requests_in_flight(model_and_tokeniz
 
 
 def test_python_m_task_app_serves_on_the_given_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "gpo.envs.task_app", "--port", str(port), "--env-args", '{"high": 4}']
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -4,7 +4,6 @@ prefix cache reset, VLLMWeightSync in a real Trainer; and a health check that gi
 (no vLLM needed for that one)."""
 
 import copy
-import socket
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from gpo.rollout.vllm_server import VLLMServerEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import char_tokenizer, save_tiny_model
 from tests.callbacks.test_vllm_weight_sync import fit
+from tests.ports import free_port
 from tests.rollout.test_vllm_engine import PROMPTS, max_logp_error, prompt_ids
 from tests.vllm_engines import needs_vllm, vllm_server
 
@@ -98,9 +98,7 @@ def test_update_without_a_shared_folder_is_refused():
 
 
 def test_health_check_gives_up_after_health_max_wait_s_naming_the_server():
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     engine = VLLMServerEngine(url, health_max_wait_s=2.0, health_interval_ms=200)
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"base_url={url} did not answer GET /health .* health_max_wait_s=2.0"):
