@@ -45,6 +45,22 @@ def max_logp_error(model, rollout, temperature) -> float:
     return float((rollout.logp[real].double() - ref[real]).abs().max())
 
 
+def assert_samples_follow_updated_weights(engine, model, prompts) -> None:
+    """Push perturbed weights: the engine's next samples and log-probs are those of the new weights, not the old
+    ones (a stale prefix cache would show); the original weights are pushed back afterwards."""
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    try:
+        engine.update_weights(moved.state_dict().items())
+        rollout = engine.generate(prompts, n=4, seed=1)
+        assert max_logp_error(moved, rollout, 0.7) < 1e-4
+        assert max_logp_error(model, rollout, 0.7) > 1e-2
+    finally:
+        engine.update_weights(model.state_dict().items())
+
+
 def test_generates_grouped_samples_with_masks_eos_and_logprobs_at_the_sampling_temperature(tiny, engine):
     model, tok = tiny
     prompts = prompt_ids(tok)
@@ -92,17 +108,7 @@ def test_update_weights_in_place_then_samples_and_logprobs_follow_the_new_weight
     model, tok = tiny
     prompts = prompt_ids(tok)
     engine.generate(prompts, n=2, seed=1)  # fills the prefix cache with the old weights' blocks
-    moved = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in moved.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    try:
-        engine.update_weights(moved.state_dict().items())
-        rollout = engine.generate(prompts, n=4, seed=1)
-        assert max_logp_error(moved, rollout, 0.7) < 1e-4
-        assert max_logp_error(model, rollout, 0.7) > 1e-2
-    finally:
-        engine.update_weights(model.state_dict().items())
+    assert_samples_follow_updated_weights(engine, model, prompts)
     assert max_logp_error(model, engine.generate(prompts, n=2, seed=2), 0.7) < 1e-4
 
 
