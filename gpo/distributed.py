@@ -36,6 +36,14 @@ def reduce_over_ranks(x: Tensor, op: Literal["sum", "min", "max"]) -> Tensor:
     return reduced
 
 
+def mean_of_scalar(value: float, device: torch.device | str = "cpu") -> float:
+    """The mean of a float over the ranks, by one all-reduce on ``device`` (the backend's: CUDA for NCCL);
+    ``value`` itself when not distributed."""
+    if not is_distributed():
+        return value
+    return float(reduce_over_ranks(torch.tensor(value, dtype=torch.float64, device=device), "sum")) / world_size()
+
+
 def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu") -> bool:
     """Whether every rank holds at least ``needed`` items (rows, prompts); a single process: at least one.
 

@@ -450,7 +450,7 @@ class GPOModule(LightningModule):
                     minibatch_loss += float(loss.detach())  # micro-batch losses add up to the minibatch loss
                     for key, value in metrics.items():
                         sums[key] += float(value) * len(micro) / len(rollout)
-                minibatch_loss = distributed.mean_over_ranks({"loss": minibatch_loss})["loss"]  # over the global batch
+                minibatch_loss = distributed.mean_of_scalar(minibatch_loss, self.device)  # over the global batch
                 max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
                 norm = float(strategies.clip_grad_norm(self.policy.parameters(), max_norm))  # FSDP2: global norm
                 if not self.nonfinite.finite(minibatch_loss, norm, self.policy, self.trainer.global_step):
