@@ -48,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from 
 
 from gpo.algo import EntropyBonus
 from gpo.callbacks.dynamic_sampling import DynamicSampling
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rollout import HFEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 
 
 def first_digit(prompts, completions, answer, **_):

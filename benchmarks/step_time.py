@@ -60,12 +60,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
 
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 
 
 @dataclass

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from gpo import distributed
+from gpo.parallel import collectives
 from gpo.rollout.base import Rollout, concat_rollouts
 
 OnExhausted = Literal["train", "skip"]
@@ -107,7 +107,7 @@ class DynamicSampling(Callback):
     def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout | None:
         """A rollout of exactly ``num_groups`` informative groups, fewer (ran out, ``train``) or none (an empty
         rollout: skip the step); None when ``rollout`` is already exactly that."""
-        target = self.num_groups // distributed.world_size() if self.num_groups else rollout.num_groups
+        target = self.num_groups // collectives.world_size() if self.num_groups else rollout.num_groups
         parts, count = [], dict.fromkeys(("groups_drawn", "groups_dropped", "groups_surplus", "tokens_drawn"), 0)
         held, rounds, current = 0, 0, rollout
         while True:
@@ -179,11 +179,11 @@ class DynamicSampling(Callback):
 
 def _over_ranks(sums: dict[str, int], maxima: dict[str, int | bool], pl_module: LightningModule) -> dict[str, int]:
     """``sums`` summed and ``maxima`` maximised over the processes of a distributed run (as given otherwise)."""
-    if distributed.world_size() == 1:
+    if collectives.world_size() == 1:
         return {**sums, **{key: int(value) for key, value in maxima.items()}}
     device = getattr(pl_module, "device", "cpu")
-    total = distributed.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
-    high = distributed.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
+    total = collectives.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
+    high = collectives.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
     return {**dict(zip(sums, total, strict=True)), **dict(zip(maxima, high, strict=True))}
 
 

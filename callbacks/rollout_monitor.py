@@ -13,8 +13,8 @@ from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 from typing_extensions import override
 
-from gpo.models import training_mode
-from gpo.policy import completion_logprobs
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
 from gpo.rollout.base import Rollout
 
 COLLAPSE_SIGNALS = ("entropy", "ngram_unique", "reward_group_std")

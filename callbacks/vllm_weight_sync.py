@@ -11,9 +11,9 @@ from lightning import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from gpo.algo.masked import masked_mean
-from gpo.models import training_mode
-from gpo.policy import completion_logprobs
-from gpo.weights import checkpoint_weights, full_parameters
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
+from gpo.models.weights import checkpoint_weights, full_parameters
 
 DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
 
@@ -28,7 +28,7 @@ class VLLMWeightSync(Callback):
     interval above 1 the engine samples from weights up to that many steps old; ``ppo_clip_ref_logprobs: rollout``
     and a ``correction`` (TIS/MIS) account for it.
 
-    What: the full weights under the transformers checkpoint's names (``gpo.weights.checkpoint_weights``). A LoRA
+    What: the full weights under the transformers checkpoint's names (``gpo.models.weights.checkpoint_weights``). A LoRA
     policy is pushed as merged weights ``W + scale * B @ A``, computed aside without touching the trained model;
     loading the adapter alone into vLLM (its LoRA mode) is not supported yet. Sharded policies are gathered
     first: DTensor parameters (FSDP2, tensor parallel) with ``full_tensor()``, FSDP1 inside ``summon_full_params``;

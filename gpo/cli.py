@@ -12,8 +12,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from gpo.callbacks import ResumeCheckpoint
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule
 
 
 class GPOCLI(LightningCLI):
@@ -104,7 +104,7 @@ def plot_curves(argv: list[str]) -> None:
 
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
-    from gpo.export import export_checkpoint
+    from gpo.models.export import export_checkpoint
 
     parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
     parser.add_argument("config", help="the run's saved config.yaml")

@@ -8,14 +8,14 @@ import lightning as L
 import pytest
 import torch
 
-from gpo.data import PromptDataModule
-from gpo.models import LoraSettings
-from gpo.module import GPOModule
+from gpo.models.loading import LoraSettings
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
-from gpo.settings import Optimization
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule
+from gpo.train.settings import Optimization
 
 pytestmark = [
     pytest.mark.gpu,

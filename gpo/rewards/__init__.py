@@ -1,6 +1,6 @@
-"""gpo.rewards: built-in reward functions.
+"""gpo.rewards: reward functions, the runner that calls them, and judges over HTTP.
 
-Each is a TRL-style callable ``(prompts, completions, **columns) -> list[float]``, one float per completion.
+Each reward is a TRL-style callable ``(prompts, completions, **columns) -> list[float]``, one float per completion.
 """
 
 from gpo.rewards.builtin import (
@@ -8,17 +8,22 @@ from gpo.rewards.builtin import (
     RegexFormat,
     answer_column,
     column,
+    env_reward,
     exact_match,
     math_answer,
     needs_columns,
     positional_match,
 )
+from gpo.rewards.judge import JudgeError, JudgeReward
 
 __all__ = [
+    "JudgeError",
+    "JudgeReward",
     "LengthPenalty",
     "RegexFormat",
     "answer_column",
     "column",
+    "env_reward",
     "exact_match",
     "math_answer",
     "needs_columns",

@@ -17,7 +17,7 @@ Reward = TypeVar("Reward", bound=Callable[..., Any])
 
 def needs_columns(*names: str) -> Callable[[Reward], Reward]:
     """Declare the dataset columns a reward reads from ``**columns`` (as ``fn.required_columns``), so a run whose
-    dataset lacks one fails in setup, before any sampling (see ``gpo.checks.required_columns``)."""
+    dataset lacks one fails in setup, before any sampling (see ``gpo.train.preflight.required_columns``)."""
 
     def declare(fn: Reward) -> Reward:
         fn.required_columns = names
@@ -152,3 +152,14 @@ class LengthPenalty:
             f"LengthPenalty(max_tokens={self.max_tokens}, penalty_per_token={self.penalty_per_token}, "
             f"name={self.name!r})"
         )
+
+
+def env_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """The environment's return of each multi-turn episode: the sum of its step rewards (column ``env_return``,
+    which ``gpo.rollout.MultiTurnEngine`` fills)."""
+    if "env_return" not in columns:
+        raise ValueError(
+            "reward env_reward needs the 'env_return' column of multi-turn rollouts; set model.engine to a "
+            "gpo.rollout.MultiTurnEngine."
+        )
+    return [float(value) for value in column("env_reward", "env_return", completions, columns)]

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo.models import training_mode
-from gpo.policy import completion_logprobs
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
 

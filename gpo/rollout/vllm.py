@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo.models import unwrap
+from gpo.models.loading import unwrap
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.token_lists import prompt_seeds, rollout_from_token_lists
 

@@ -11,12 +11,12 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 
 from gpo.callbacks.completion_samples import COLUMNS, CompletionSamples
 from gpo.cli import default_loggers
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 from tests.callbacks.grouped import grouped_rollout
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gpo.callbacks.difficulty_filter import DifficultyFilter, select_prompts
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rollout import HFEngine
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 from tests.callbacks.grouped import grouped_rollout
 
 

@@ -10,12 +10,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpo.callbacks.dynamic_sampling import DynamicSampling
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rollout import HFEngine
 from gpo.rollout.base import Rollout
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 
 
 def make_rollout(rewards: list[list[float]], *, interleave: bool = False, tag: str = "") -> Rollout:

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from gpo.callbacks.rollout_monitor import RolloutMonitor, unique_ngram_ratio
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule, Optimization
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
 from gpo.rollout.base import Rollout
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model, tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 
 
 class FakeModule:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from gpo.callbacks import VLLMWeightSync
-from gpo.data import PromptDataModule
-from gpo.models import LoraSettings
-from gpo.module import GPOModule, Optimization
-from gpo.policy import completion_logprobs
+from gpo.models.loading import LoraSettings
+from gpo.models.scorer import completion_logprobs
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule, Optimization
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
 
 TEMPERATURE = 0.8

@@ -8,9 +8,9 @@ import torch
 
 from gpo.cli import main
 from gpo.envs import NumberGuess
-from gpo.envs.judge_app import make_app as make_judge
 from gpo.envs.number_guess_prompts import prompt
 from gpo.envs.task_app import make_app as make_task_app
+from gpo.rewards.judge_app import make_app as make_judge
 from gpo.tasks import write_jsonl
 from gpo.testing import save_tiny_model
 from tests.envs.servers import serve
@@ -51,10 +51,10 @@ def test_a_task_app_and_judges_blend_through_the_mixer(assets, tmp_path):
         overrides.write_text(f"""
 model:
   rewards:
-    - gpo.envs.env_reward
-    - class_path: gpo.envs.JudgeReward
+    - gpo.rewards.env_reward
+    - class_path: gpo.rewards.JudgeReward
       init_args: {{judge_url: "{judge_url}", kind: event, max_concurrency: 4}}
-    - class_path: gpo.envs.JudgeReward
+    - class_path: gpo.rewards.JudgeReward
       init_args: {{judge_url: "{judge_url}", kind: outcome}}
   mixer:
     class_path: gpo.algo.EnvEventOutcomeBlend
@@ -74,7 +74,7 @@ model:
 
 
 def test_step_rewards_add_each_turns_advantage_to_its_tokens(assets, monkeypatch):
-    from gpo.module import GPOModule
+    from gpo.train.module import GPOModule
 
     seen = []
     optimise = GPOModule._optimise

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpo.envs import Environment, NumberGuess, Step
-from gpo.policy import completion_logprobs
+from gpo.models.scorer import completion_logprobs
 from gpo.rollout import HFEngine, MultiTurnEngine, RolloutEngine
 from gpo.rollout.base import concat_rollouts
 from gpo.testing import char_tokenizer, tiny_model

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from gpo.callbacks import ResumeCheckpoint
-from gpo.checkpointing import CheckpointError, atomic_torch_save, load_checkpoint_file
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.checkpointing import CheckpointError, atomic_torch_save, load_checkpoint_file
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path):
     path, marker = tmp_path / "last.ckpt", tmp_path / "pickling"
     atomic_torch_save({"step": 1, "w": torch.zeros(1000)}, path)
     writer = python(
-        "import torch; from gpo.checkpointing import atomic_torch_save; from tests.reliability.faults import "
+        "import torch; from gpo.train.checkpointing import atomic_torch_save; from tests.reliability.faults import "
         f"SlowToPickle; atomic_torch_save({{'step': 2, 'w': torch.ones(1000), 'x': SlowToPickle({str(marker)!r})}}, "
         f"{str(path)!r})"
     )
@@ -58,7 +58,7 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_file(tmp_path
     writer = python(
         "import resource, signal, torch; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
-        "from gpo.checkpointing import atomic_torch_save; "
+        "from gpo.train.checkpointing import atomic_torch_save; "
         f"atomic_torch_save({{'step': 2, 'w': torch.ones(1_000_000)}}, {str(path)!r})"
     )
     _, err = writer.communicate(timeout=120)

@@ -9,12 +9,12 @@ import lightning as L
 import pytest
 import torch
 
-from gpo.data import PromptDataModule
-from gpo.module import GPOModule
 from gpo.rollout import HFEngine
-from gpo.settings import Optimization
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule
+from gpo.train.settings import Optimization
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def fit(workspace, steps: int, batches: set[int], where: str, **optim) -> tuple[
 
 @pytest.mark.parametrize(("where", "quantity"), [("loss", "loss=nan"), ("grad", "gradient norm=inf")])
 def test_a_nonfinite_update_is_skipped_logged_and_training_goes_on(workspace, caplog, where, quantity):
-    with caplog.at_level(logging.WARNING, logger="gpo.module"):
+    with caplog.at_level(logging.WARNING, logger="gpo.train.module"):
         module, snap = fit(workspace, 4, {2}, where)
     assert len(snap.weights) == 5  # 4 optimiser steps took 5 batches: batch 2 did not step
     assert module.trainer.global_step == 4

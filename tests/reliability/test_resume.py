@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gpo.callbacks.resume_checkpoint import SIGTERM_EXIT_CODE
-from gpo.checkpointing import CheckpointError
 from gpo.cli import main
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
+from gpo.train.checkpointing import CheckpointError
 from tests.reliability import faults
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpo.policy import completion_logprobs, position_ids
+from gpo.models.scorer import completion_logprobs, position_ids
 from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.hf import completion_mask, left_pad
 from gpo.testing import char_tokenizer, tiny_model

@@ -1,0 +1,1 @@
+"""gpo: group-based policy optimisation for language models, on PyTorch Lightning."""

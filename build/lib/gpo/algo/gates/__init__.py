@@ -1,0 +1,27 @@
+"""Ratio gates: every surrogate in the family as ``gate(r) x advantage``, aggregated over tokens.
+
+The unified view (seed 003): each method optimises ``mean over tokens of f(r_t) A_t`` and differs only in
+``f``, the gate on the importance ratio ``r_t = pi(o_t) / pi_old(o_t)``, and in whether the ratio is a
+token's or a sequence's. Where we depart from a paper's text, the gate's docstring says so.
+"""
+
+from gpo.algo.gates.base import RatioGate
+from gpo.algo.gates.divergence import DivergenceMaskGate
+from gpo.algo.gates.router import RouterShiftGate, router_logprobs, router_shift_weight
+from gpo.algo.gates.sequence import GeometricMeanGate, SequenceClipGate, VESPOGate
+from gpo.algo.gates.token import CISPOGate, ClipGate, NoGate, SoftGate
+
+__all__ = [
+    "CISPOGate",
+    "ClipGate",
+    "DivergenceMaskGate",
+    "GeometricMeanGate",
+    "NoGate",
+    "RatioGate",
+    "RouterShiftGate",
+    "SequenceClipGate",
+    "SoftGate",
+    "VESPOGate",
+    "router_logprobs",
+    "router_shift_weight",
+]

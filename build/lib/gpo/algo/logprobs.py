@@ -1,0 +1,216 @@
+"""Memory-lean log-probabilities and entropy of chosen tokens, chunk by chunk over rows.
+
+The naive ``log_softmax(logits.float()).gather(...)`` keeps a full ``[N, V]`` float32 tensor alive for the
+backward pass (about 5 GB for 8 x 1024 tokens of a 151,936-token vocabulary), besides the logits themselves.
+Here each chunk of rows is upcast, reduced to its log-sum-exp and the gathered values, and dropped; the
+backward pass recomputes the chunk's softmax. ``linear_token_logprobs`` goes one step further and never
+materialises the logits at all: it takes the final hidden states and the output-embedding weight and
+computes the logits one chunk at a time in both passes.
+
+Gradients (with ``z`` the logits divided by the temperature, ``p = softmax(z)``, ``H = -sum p log p``):
+``d log p_y / dz_v = 1[v = y] - p_v`` and ``dH / dz_v = -p_v (log p_v + H)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+_CHUNK_ELEMENTS = 2**25  # float32 elements per [rows, V] chunk buffer (128 MiB)
+
+
+class TokenLogProbs(NamedTuple):
+    """``logp`` has the shape of the token index; ``entropy`` the shape of the rows (None if not asked)."""
+
+    logp: Tensor
+    entropy: Tensor | None
+
+
+def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
+    return chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // vocab)
+
+
+def _forward_chunk(z: Tensor, index: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``z[C, V]`` float32 scaled logits, ``index[C, K]`` -> ``logp[C, K]``, ``lse[C]``, ``entropy[C]``."""
+    lse = torch.logsumexp(z, dim=-1)  # [C]
+    logp = z.gather(-1, index) - lse[:, None]  # [C, K]
+    entropy = None
+    if with_entropy:
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)  # [C]: H = lse - sum_v p_v z_v
+    return logp, lse, entropy
+
+
+def _grad_chunk(
+    z: Tensor, index: Tensor, lse: Tensor, entropy: Tensor | None, g_logp: Tensor, g_entropy: Tensor | None
+) -> Tensor:
+    """Gradient w.r.t. the scaled logits ``z[C, V]`` (float32); ``z`` is overwritten."""
+    log_p = z.sub_(lse[:, None])  # [C, V], in place
+    p = log_p.exp()  # [C, V]
+    coef = -g_logp.sum(-1, keepdim=True)  # [C, 1]: the -p_v part of every gathered token's gradient
+    if g_entropy is not None:
+        coef = log_p.add_(entropy[:, None]).mul_(-g_entropy[:, None]).add_(coef)  # [C, V], reuses z
+    grad = p.mul_(coef)
+    return grad.scatter_add_(-1, index, g_logp)
+
+
+def _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy) -> Tensor:
+    """``_grad_chunk`` on the chunk ``rows`` of full-length saved tensors; no entropy term if ``g_entropy`` is None."""
+    use_entropy = g_entropy is not None
+    return _grad_chunk(
+        z, index[rows], lse[rows], entropy[rows] if use_entropy else None, g_logp[rows],
+        g_entropy[rows] if use_entropy else None,
+    )  # fmt: skip
+
+
+class _LogitsLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, temperature: float, chunk: int, with_entropy: bool):
+        n = logits.shape[0]
+        logp = logits.new_empty(index.shape, dtype=torch.float32)
+        lse = logits.new_empty(n, dtype=torch.float32)
+        entropy = logits.new_empty(n if with_entropy else 0, dtype=torch.float32)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            z = logits[rows].float() / temperature
+            logp[rows], lse[rows], ent = _forward_chunk(z, index[rows], with_entropy)
+            if with_entropy:
+                entropy[rows] = ent
+        ctx.save_for_backward(logits, index, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)  # an unused entropy gets no backward work
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
+        logits, index, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
+        grad = torch.empty_like(logits)
+        use_entropy = ctx.with_entropy and g_entropy is not None
+        for start in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            z = logits[rows].float() / ctx.temperature
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
+            grad[rows] = g_z.div_(ctx.temperature).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature: float, chunk: int, with_entropy: bool):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(index.shape, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            z = _linear_chunk(hidden[rows], weight, bias, temperature)
+            logp[rows], lse[rows], ent = _forward_chunk(z, index[rows], with_entropy)
+            if with_entropy:
+                entropy[rows] = ent
+        ctx.save_for_backward(hidden, weight, bias, index, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
+        hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
+        g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        use_entropy = ctx.with_entropy and g_entropy is not None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            h = hidden[rows]
+            z = _linear_chunk(h, weight, bias, ctx.temperature)
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
+            g_z = g_z.div_(ctx.temperature)  # [C, V] float32
+            if need_hidden:
+                grad_hidden[rows] = g_z.to(weight.dtype) @ weight
+            if need_weight:
+                grad_weight.addmm_(g_z.t(), h.float())  # accumulate in place: no weight-sized temporary
+            if need_bias:
+                grad_bias += g_z.sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _linear_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """Scaled float32 logits of one chunk: ``(h W^T + b) / temperature``, ``[C, V]``."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    return z.float().div_(temperature)
+
+
+def _flatten(tokens: Tensor, lead_shape: torch.Size) -> tuple[Tensor, bool]:
+    """Tokens ``[...]`` or ``[..., K]`` -> ``[N, K]`` and whether the K axis was added."""
+    single = tokens.shape == lead_shape
+    index = tokens.reshape(-1, 1) if single else tokens.reshape(-1, tokens.shape[-1])
+    return index.long(), single
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0.")
+
+
+def token_logprobs(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> TokenLogProbs:
+    """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``, and optionally the entropy.
+
+    Args:
+        logits: ``[..., V]``, any float dtype (computed in float32 one chunk of rows at a time).
+        tokens: ``[...]`` (one token per row) or ``[..., K]`` (K tokens per row, e.g. a top-k set).
+        temperature: the sampling temperature the tokens were drawn with.
+        with_entropy: also return the entropy of each row's distribution, differentiable.
+        chunk_size: rows per chunk; by default about 128 MiB of float32 per chunk buffer.
+    """
+    _check_temperature(temperature)
+    lead = logits.shape[:-1]
+    index, single = _flatten(tokens, lead)
+    chunk = _rows_per_chunk(logits.shape[-1], chunk_size)
+    logp, entropy = _LogitsLogProbs.apply(logits.reshape(-1, logits.shape[-1]), index, temperature, chunk, with_entropy)
+    logp = logp.reshape(lead) if single else logp.reshape(tokens.shape)
+    return TokenLogProbs(logp, entropy.reshape(lead) if with_entropy else None)
+
+
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> TokenLogProbs:
+    """Like ``token_logprobs(hidden @ weight.T + bias, tokens)`` without ever holding the ``[..., V]`` logits.
+
+    Args:
+        hidden: final hidden states ``[..., H]`` (the input of the model's output layer).
+        weight: output-embedding weight ``[V, H]`` (``model.get_output_embeddings().weight``; tied weights work).
+        tokens: ``[...]`` or ``[..., K]``.
+        bias: optional ``[V]`` output bias.
+        temperature, with_entropy, chunk_size: as in ``token_logprobs``.
+    """
+    _check_temperature(temperature)
+    lead = hidden.shape[:-1]
+    index, single = _flatten(tokens, lead)
+    chunk = _rows_per_chunk(weight.shape[0], chunk_size)
+    logp, entropy = _LinearLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, index, temperature, chunk, with_entropy
+    )
+    logp = logp.reshape(lead) if single else logp.reshape(tokens.shape)
+    return TokenLogProbs(logp, entropy.reshape(lead) if with_entropy else None)

@@ -1,0 +1,191 @@
+"""DynamicSampling: DAPO's dynamic sampling as a Lightning callback. Drops groups whose rewards are all equal and
+draws more prompts until the step holds the requested number of informative groups."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from gpo.parallel import collectives
+from gpo.rollout.base import Rollout, concat_rollouts
+
+OnExhausted = Literal["train", "skip"]
+TOTALS = ("steps", "groups_drawn", "groups_kept", "rounds", "exhausted_steps", "tokens_drawn")
+
+
+class DynamicSampling(Callback):
+    """Train every step on ``num_groups`` informative groups: groups whose rewards are not all equal.
+
+    Rule: after scoring, a group whose rewards span at most ``atol`` (``max - min <= atol``) is dropped: its
+    group-relative advantages are all zero, so it adds no gradient and only dilutes the step. While fewer than
+    ``num_groups`` informative groups are held, another batch of prompts is drawn, sampled and scored, for at
+    most ``max_rounds`` extra rounds. Informative groups beyond ``num_groups`` are dropped (the earliest drawn
+    are kept), so the returned rollout has exactly ``num_groups`` groups. This is the dynamic sampling of DAPO
+    (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", section 3.2), which
+    keeps drawing until the batch is full of groups with accuracy strictly between 0 and 1.
+
+    When ``max_rounds`` runs out short of ``num_groups``: ``on_exhausted="train"`` trains on the informative
+    groups it has and warns with the step and the counts; ``"skip"`` returns an empty rollout, so the step is
+    skipped. With no informative group at all the step is skipped under either setting: there is nothing to
+    learn from, and training on all-zero advantages would only spend an optimiser step (and move Adam's
+    moments) on the regularisers.
+
+    Uniformity is judged on ``rollout.reward``, the reward the advantages are computed from. A KL penalty placed
+    in the reward makes every group non-uniform; filter on a reward without it if that matters.
+
+    Logged every step (``module.log_dict``): ``dynamic_sampling/groups_drawn`` (all groups sampled this step),
+    ``groups_kept`` (trained on), ``groups_dropped`` (uniform), ``groups_surplus`` (informative but beyond
+    ``num_groups``), ``rounds`` (extra rounds drawn), ``exhausted`` (1.0 if ``max_rounds`` ran out),
+    ``tokens_drawn`` (completion tokens generated, dropped groups included), ``informative_frac`` (informative
+    groups / groups drawn) and running ``total_*`` counts (saved in checkpoints via ``state_dict``).
+
+    What the LightningModule must provide (gpo's ``GPOModule`` does; any LightningModule can):
+
+    - ``scored_rollout(batch) -> Rollout``: sample and score a batch of prompts, returning a
+      ``gpo.rollout.base.Rollout`` with ``reward[B]`` and ``group[B]`` set (rows of a group need not be adjacent;
+      ``completion_ids``/``completion_mask`` and the other token tensors are what ``Rollout.select`` and
+      ``concat_rollouts`` carry along).
+    - ``next_prompt_batch() -> batch``: another batch of training prompts, in whatever form ``scored_rollout``
+      takes.
+    - in ``training_step``, after scoring: call ``on_rollout_end(trainer, module, rollout)`` on every callback of
+      ``trainer.callbacks`` that defines it; replace the rollout with the result when it is not None (test
+      ``is not None``: an empty rollout has length 0 and is falsy); skip the step if the rollout has no rows;
+      otherwise train on it. ``log_dict`` (Lightning's) receives the metrics.
+
+    Under DDP with ``W`` processes, ``num_groups`` is global: each process fills its own share of
+    ``num_groups / W`` groups from its own prompts (drawing its own extra rounds, with no collective in between) and
+    the logged counts and totals are over all processes (sums; ``rounds`` and ``exhausted`` are the maxima). A
+    process left with no group, or an ``on_exhausted="skip"`` on any process, skips the step on every process.
+    Under a strategy whose generation is collective (FSDP) processes could draw different numbers of rounds, which
+    this callback does not synchronise.
+
+    Args:
+        num_groups: informative groups to train on per step over all processes; None: as many as the step's
+            rollout arrived with (the prompts of the batch), so the step size stays constant.
+        max_rounds: extra batches of prompts drawn per step at most (0: only filter, never draw more).
+        atol: rewards of a group count as all equal when ``max - min <= atol``. The default 1e-6 is the ``eps`` of
+            gpo's ``GroupNormAdvantage`` (a group std at or below it gets zero advantage): rewards that differ only
+            by float rounding count as equal. 0 demands exactly equal rewards.
+        on_exhausted: ``train`` on the informative groups held (with a warning) or ``skip`` the step when
+            ``max_rounds`` runs out before ``num_groups`` are found.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_groups: int | None = None,
+        max_rounds: int = 8,
+        atol: float = 1e-6,
+        on_exhausted: OnExhausted = "train",
+    ) -> None:
+        if num_groups is not None and (not _is_int(num_groups) or num_groups < 1):
+            raise ValueError(f"num_groups={num_groups!r} must be an int >= 1, or None for the batch's prompt count.")
+        if not _is_int(max_rounds) or max_rounds < 0:
+            raise ValueError(f"max_rounds={max_rounds!r} must be an int >= 0 (0 only filters, never draws more).")
+        if isinstance(atol, bool) or not isinstance(atol, int | float) or not (math.isfinite(atol) and atol >= 0):
+            raise ValueError(f"atol={atol!r} must be a finite number >= 0 (0 demands exactly equal rewards).")
+        if on_exhausted not in ("train", "skip"):
+            raise ValueError(f"on_exhausted={on_exhausted!r} is not valid; choose 'train' or 'skip'.")
+        self.num_groups, self.max_rounds, self.atol, self.on_exhausted = num_groups, max_rounds, atol, on_exhausted
+        self.totals = dict.fromkeys(TOTALS, 0)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.num_groups is not None and self.num_groups % trainer.world_size:
+            raise ValueError(
+                f"DynamicSampling num_groups={self.num_groups} is global: it must split evenly over the "
+                f"{trainer.world_size} processes (trainer.devices x trainer.num_nodes); make it a multiple of "
+                f"{trainer.world_size}."
+            )
+
+    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout | None:
+        """A rollout of exactly ``num_groups`` informative groups, fewer (ran out, ``train``) or none (an empty
+        rollout: skip the step); None when ``rollout`` is already exactly that."""
+        target = self.num_groups // collectives.world_size() if self.num_groups else rollout.num_groups
+        parts, count = [], dict.fromkeys(("groups_drawn", "groups_dropped", "groups_surplus", "tokens_drawn"), 0)
+        held, rounds, current = 0, 0, rollout
+        while True:
+            informative, n_groups = self.informative_groups(current)
+            chosen = informative[: target - held]
+            parts.append(current.select(torch.isin(current.group, chosen).nonzero().flatten()))
+            held += len(chosen)
+            count["groups_drawn"] += n_groups
+            count["groups_dropped"] += n_groups - len(informative)
+            count["groups_surplus"] += len(informative) - len(chosen)
+            count["tokens_drawn"] += int(current.completion_mask.sum())
+            if held == target or rounds == self.max_rounds:
+                break
+            rounds += 1
+            current = pl_module.scored_rollout(pl_module.next_prompt_batch())
+        exhausted = held < target
+        skip = exhausted and (self.on_exhausted == "skip" or held == 0)
+        maxima = {"rounds": rounds, "exhausted": exhausted, "skip": skip}  # one process skipping skips all
+        step = _over_ranks({**count, "held": held, "target": target}, maxima, pl_module)
+        if step["exhausted"]:
+            action = "skipping the step" if step["skip"] else f"training on {step['held']}"
+            rank_zero_warn(
+                f"DynamicSampling: step {trainer.global_step}: {step['held']} of {step['target']} informative groups "
+                f"after {step['rounds']} extra rounds ({step['groups_drawn']} groups drawn, {step['groups_dropped']} "
+                f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step."
+            )
+        logged = {key: step[key] for key in (*count, "rounds", "exhausted")}
+        self._log(pl_module, {**logged, "groups_kept": 0 if step["skip"] else step["held"]})
+        if skip:
+            return rollout.select([])
+        if len(parts) == 1 and len(parts[0]) == len(rollout):
+            return None  # every group informative and none surplus: the rollout stands as it is
+        return concat_rollouts([part for part in parts if len(part)])
+
+    def informative_groups(self, rollout: Rollout) -> tuple[Tensor, int]:
+        """Ids of ``rollout``'s groups whose rewards span more than ``atol``, in order of their first row, and the
+        number of groups. A group of one row is uniform."""
+        if rollout.reward is None:
+            raise ValueError(
+                "DynamicSampling needs a scored rollout (rollout.reward set): call on_rollout_end after scoring."
+            )
+        ids, index = torch.unique(rollout.group, return_inverse=True)
+        reward = rollout.reward.detach().to(torch.float64)
+        high = reward.new_full(ids.shape, -math.inf).scatter_reduce(0, index, reward, "amax")
+        low = reward.new_full(ids.shape, math.inf).scatter_reduce(0, index, reward, "amin")
+        rows = torch.arange(len(index), device=index.device)
+        order = rows.new_full(ids.shape, len(index)).scatter_reduce(0, index, rows, "amin").argsort()  # by first row
+        return ids[order][(high - low)[order] > self.atol], len(ids)
+
+    def _log(self, pl_module: LightningModule, step: dict[str, int | bool]) -> None:
+        drawn = step["groups_drawn"]
+        informative = drawn - step["groups_dropped"]
+        self.totals["steps"] += 1
+        self.totals["exhausted_steps"] += int(step["exhausted"])
+        for key in ("groups_drawn", "groups_kept", "rounds", "tokens_drawn"):
+            self.totals[key] += int(step[key])
+        metrics = {**step, "informative_frac": informative / drawn if drawn else 0.0}
+        metrics.update({f"total_{key}": value for key, value in self.totals.items()})
+        pl_module.log_dict({f"dynamic_sampling/{k}": float(v) for k, v in metrics.items()}, on_step=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.totals)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.totals.update({key: int(state_dict[key]) for key in TOTALS if key in state_dict})
+
+
+def _over_ranks(sums: dict[str, int], maxima: dict[str, int | bool], pl_module: LightningModule) -> dict[str, int]:
+    """``sums`` summed and ``maxima`` maximised over the processes of a distributed run (as given otherwise)."""
+    if collectives.world_size() == 1:
+        return {**sums, **{key: int(value) for key, value in maxima.items()}}
+    device = getattr(pl_module, "device", "cpu")
+    total = collectives.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
+    high = collectives.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
+    return {**dict(zip(sums, total, strict=True)), **dict(zip(maxima, high, strict=True))}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

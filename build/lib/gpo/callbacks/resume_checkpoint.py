@@ -1,0 +1,78 @@
+"""ResumeCheckpoint: keep one ``last.ckpt`` current for exact resume, and stop gracefully on SIGTERM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what shells and schedulers report for a terminated job
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    """Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimiser steps, after the last step, and when the
+    process receives SIGTERM; ``--ckpt_path last`` then continues the run exactly (see README, Reliability).
+
+    On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising
+    Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
+    notices SIGTERM only at the end of an epoch. Files are replaced atomically when the trainer's checkpoint IO is
+    gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
+
+    Works with any LightningModule. ``gpo fit`` adds one (``<default_root_dir>/checkpoints``, every 100 steps) unless
+    ``trainer.callbacks`` already holds a ``ModelCheckpoint``.
+
+    Args:
+        dirpath: folder of ``last.ckpt``; None: ``<trainer.default_root_dir>/checkpoints`` (not Lightning's
+            ``<log_dir>/checkpoints``, which moves with every new logger version and so hides ``last``).
+        every_n_train_steps: optimiser steps between checkpoints.
+        save_top_k: also keep this many step-numbered checkpoints (-1: all; 0: only ``last.ckpt``).
+    """
+
+    def __init__(self, dirpath: str | Path | None = None, every_n_train_steps: int = 100, save_top_k: int = 0) -> None:
+        if every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 1.")
+        super().__init__(
+            dirpath=dirpath,
+            filename="step{step}",
+            save_last=True,
+            save_top_k=save_top_k,
+            every_n_train_steps=every_n_train_steps,
+            enable_version_counter=False,  # one last.ckpt, replaced in place, never last-v1.ckpt
+        )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._default_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs
+        return super()._find_last_checkpoints(trainer)
+
+    def _default_dirpath(self, trainer: Trainer) -> None:
+        if self.dirpath is None:
+            self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args, **kwargs) -> None:
+        # Counted from the last save, not as global_step % n: a batch may take several optimiser steps. The last
+        # step is saved here too, not only at on_train_end: by then Lightning has closed the epoch, and a run
+        # extended to a larger max_steps would start the next epoch instead of finishing this one.
+        due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
+        last = 0 < trainer.max_steps <= trainer.global_step
+        if due or last or trainer.received_sigterm:
+            self._save_now(trainer)
+        if trainer.received_sigterm:
+            rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {self.last_model_path}")
+            raise SIGTERMException(SIGTERM_EXIT_CODE)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._save_now(trainer)
+
+    def _save_now(self, trainer: Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            if self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)

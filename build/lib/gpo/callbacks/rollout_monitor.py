@@ -1,0 +1,269 @@
+"""RolloutMonitor: per-step entropy, length, n-gram diversity and reward-width statistics of the rollout, and a
+warning when entropy, diversity and reward width collapse together."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics.aggregation import MaxMetric
+from typing_extensions import override
+
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
+from gpo.rollout.base import Rollout
+
+COLLAPSE_SIGNALS = ("entropy", "ngram_unique", "reward_group_std")
+ENTROPY_FIELDS = ("token_entropy", "entropy")  # per-token entropy [B, T] a rollout may carry
+UNIFORM_ATOL = 1e-6  # a group whose rewards span at most this has zero advantage (GroupNormAdvantage's eps)
+
+
+class RolloutMonitor(Callback):
+    """Logs the health of every step's rollout under ``monitor/...`` and warns when it looks like mode collapse.
+
+    Per step (population statistics, ``std`` divides by n):
+
+    - ``entropy``: mean token entropy over completion tokens (see below for where it comes from);
+    - ``len_mean``, ``len_max``, ``truncated_frac``: completion lengths in tokens and the fraction that hit the
+      length budget without EOS;
+    - ``ngram_unique``: per group, distinct ``ngram``-grams of token ids / all ``ngram``-grams over the group's
+      completions (n-grams lie inside one completion), averaged over groups that have any; 1.0 when no n-gram
+      repeats, ``1 / group size`` when every completion of a group is the same (and repeats nothing inside);
+    - ``reward_std``, ``reward_spread`` (max - min) of the rewards across the batch, ``reward_group_std``
+      (within-group std, averaged over groups), ``zero_adv_frac`` (fraction of groups whose rewards span at most
+      1e-6, which get zero group-relative advantage);
+    - ``collapse_streak`` (consecutive collapsing steps) and ``collapse`` (1.0 while the warning condition holds).
+
+    Collapse rule: each of entropy, ``ngram_unique`` and ``reward_group_std`` keeps its running peak (the maximum
+    since the start of training, a torchmetrics ``MaxMetric``). After ``warmup`` monitored steps a step is
+    collapsing when all three are below ``collapse_fraction`` x their peaks; when ``patience`` consecutive steps
+    collapse, one warning names the step and the three values with their peaks. It fires again only after a
+    step that does not collapse. One or two signals falling is normal (entropy falls as a policy learns); all
+    three together mean the groups have become copies of one answer with one reward. Mastering the task also
+    narrows all three: check ``reward/mean`` before acting. A signal that cannot be measured at a step (no
+    entropy source, completions shorter than ``ngram``) is not logged and makes that step non-collapsing.
+
+    Entropy, in order of preference: a per-token ``token_entropy`` (or ``entropy``) tensor ``[B, T]`` on the
+    rollout (free; gpo's Rollout has none yet); with ``compute_entropy=True``, one no-grad forward pass of
+    ``module.model`` over the rollout (costly: about a third of a training pass); otherwise the metric named
+    ``entropy_metric`` the module logged during the step (GPOModule logs ``entropy``, the token entropy of its
+    training pass: exact for one update per step, an average over the updates otherwise).
+
+    Source: seed 002 (a textbook chapter on GRPO): "track response entropy, unique n-gram ratio and reward
+    distribution width; if all three drop together you have a collapse". The thresholds are ours.
+
+    What the LightningModule must provide (gpo's ``GPOModule`` does):
+
+    - after scoring, in ``training_step``: call ``on_rollout_end(trainer, module, rollout)`` on every callback that
+      defines it; the rollout needs ``completion_ids``/``completion_mask`` ``[B, T]`` (right-padded),
+      ``truncated[B]``, ``group[B]`` and ``reward[B]``. Put this callback after callbacks that replace the
+      rollout, so it sees what is trained on.
+    - for ``compute_entropy``: ``model`` (a transformers causal LM), the rollout's ``prompt_ids``/``prompt_mask``
+      (left-padded), and optionally ``temperature`` (the sampling temperature; default 1.0).
+    - ``log_dict`` (Lightning's); the statistics are logged in ``on_train_batch_end``, after the step's updates.
+
+    Each process monitors its own rollout (no collective calls).
+
+    Args:
+        ngram: n of the n-grams in ``ngram_unique``.
+        compute_entropy: run a no-grad forward pass per step for the entropy when the rollout carries none.
+        entropy_metric: logged metric read as the entropy when the rollout carries none and ``compute_entropy`` is
+            off; None: no entropy then.
+        entropy_batch_size: rows per forward pass of ``compute_entropy`` (None: the whole rollout at once).
+        collapse_fraction: a signal has fallen when it is below this fraction of its running peak, in (0, 1).
+        warmup: monitored steps before the collapse check starts (the peaks form meanwhile).
+        patience: consecutive collapsing steps before the warning.
+    """
+
+    def __init__(
+        self,
+        *,
+        ngram: int = 3,
+        compute_entropy: bool = False,
+        entropy_metric: str | None = "entropy",
+        entropy_batch_size: int | None = None,
+        collapse_fraction: float = 0.5,
+        warmup: int = 10,
+        patience: int = 5,
+    ) -> None:
+        if ngram < 1:
+            raise ValueError(f"ngram={ngram} must be >= 1 (the n of the unique n-gram ratio).")
+        if entropy_batch_size is not None and entropy_batch_size < 1:
+            raise ValueError(f"entropy_batch_size={entropy_batch_size} must be >= 1, or None for the whole rollout.")
+        if not 0.0 < collapse_fraction < 1.0:
+            raise ValueError(f"collapse_fraction={collapse_fraction} must be in (0, 1) (a fraction of the peak).")
+        if warmup < 0:
+            raise ValueError(f"warmup={warmup} must be >= 0 (monitored steps before the collapse check).")
+        if patience < 1:
+            raise ValueError(f"patience={patience} must be >= 1 (consecutive collapsing steps before warning).")
+        self.ngram, self.compute_entropy, self.entropy_metric = ngram, compute_entropy, entropy_metric
+        self.entropy_batch_size, self.collapse_fraction = entropy_batch_size, collapse_fraction
+        self.warmup, self.patience = warmup, patience
+        self.steps, self.streak, self.warned = 0, 0, False
+        self.peaks = _peak_metrics()
+        self._pending: dict[str, float] | None = None
+        self._warned_no_entropy = False
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+
+    def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:
+        self._pending = None
+        if len(rollout) == 0:  # nothing will be trained on this step
+            return
+        if rollout.reward is None:
+            raise ValueError("RolloutMonitor needs a scored rollout (rollout.reward is None).")
+        stats = {**length_stats(rollout), **reward_stats(rollout.reward, rollout.group)}
+        stats["ngram_unique"] = unique_ngram_ratio(
+            rollout.completion_ids, rollout.completion_mask, rollout.group, self.ngram
+        )
+        entropy = next((v for v in (getattr(rollout, name, None) for name in ENTROPY_FIELDS) if v is not None), None)
+        if entropy is None and self.compute_entropy:
+            entropy = rollout_entropy(module, rollout, self.entropy_batch_size)
+        if entropy is not None:
+            stats["entropy"] = masked_mean(entropy, rollout.completion_mask)
+        self._pending = stats
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats, self._pending = self._pending, None
+        if stats is None:  # the step was skipped before scoring, or the module never called on_rollout_end
+            return
+        if "entropy" not in stats and self.entropy_metric is not None:
+            logged = trainer.callback_metrics.get(self.entropy_metric)
+            if logged is not None:
+                stats["entropy"] = float(logged)
+        if "entropy" not in stats and not self._warned_no_entropy:
+            rank_zero_warn(
+                "RolloutMonitor: no token entropy this step (none on the rollout, compute_entropy off, entropy_metric="
+                f"{self.entropy_metric!r} not logged); the collapse check needs it. Set compute_entropy=True, or "
+                "entropy_metric to the name your module logs the token entropy under (warned once)."
+            )
+            self._warned_no_entropy = True
+        stats.update(self._collapse_check(stats, trainer.global_step))
+        measured = {f"monitor/{k}": v for k, v in stats.items() if math.isfinite(v)}  # nan: not measurable
+        pl_module.log_dict(measured, on_step=True, on_epoch=False)
+
+    def _collapse_check(self, stats: dict[str, float], step: int) -> dict[str, float]:
+        self.steps += 1
+        fallen = []
+        for name in COLLAPSE_SIGNALS:
+            value = stats.get(name, math.nan)
+            if math.isfinite(value):
+                self.peaks[name].update(value)
+            fallen.append(value < self.collapse_fraction * self.peak(name))  # False when either is nan
+        collapsing = self.steps > self.warmup and all(fallen)
+        self.streak = self.streak + 1 if collapsing else 0
+        if not collapsing:
+            self.warned = False
+        elif self.streak >= self.patience and not self.warned:
+            self.warned = True
+            rank_zero_warn(self._collapse_message(stats, step))
+        return {"collapse_streak": float(self.streak), "collapse": float(self.streak >= self.patience)}
+
+    def peak(self, name: str) -> float:
+        """The running peak of a collapse signal (nan before its first measurement)."""
+        metric = self.peaks[name]
+        return float(metric.compute()) if metric.update_count else math.nan
+
+    def _collapse_message(self, stats: dict[str, float], step: int) -> str:
+        parts = [f"{name} {stats[name]:.4g} (peak {self.peak(name):.4g})" for name in COLLAPSE_SIGNALS]
+        return (
+            f"RolloutMonitor: possible collapse at step {step}: {', '.join(parts)}; all three have been below "
+            f"{self.collapse_fraction} x their peaks for {self.streak} consecutive steps. The groups are turning "
+            "into copies of one answer: consider an entropy bonus, a stronger KL penalty, a higher temperature or "
+            "a lower learning rate (unless reward/mean shows the task is simply mastered)."
+        )
+
+    # ---- checkpointing ----------------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        peaks = {name: None if math.isnan(self.peak(name)) else self.peak(name) for name in COLLAPSE_SIGNALS}
+        return {"steps": self.steps, "streak": self.streak, "warned": self.warned, "peaks": peaks}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps, self.streak = int(state_dict["steps"]), int(state_dict["streak"])
+        self.warned = bool(state_dict["warned"])
+        self.peaks = _peak_metrics()
+        for name, peak in state_dict["peaks"].items():
+            if peak is not None:
+                self.peaks[name].update(peak)
+
+
+# ---- the statistics, as plain functions of tensors ---------------------------------------------------------------
+
+
+def _peak_metrics() -> dict[str, MaxMetric]:
+    # Each process keeps its own peaks: no collective call hides in compute() or in a checkpoint's state_dict.
+    return {name: MaxMetric(sync_on_compute=False) for name in COLLAPSE_SIGNALS}
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of ``values[B, T]`` over the positions where ``mask`` is 1."""
+    mask = mask.to(values.dtype)
+    return float((values * mask).sum() / mask.sum().clamp_min(1))
+
+
+def length_stats(rollout: Rollout) -> dict[str, float]:
+    lengths = rollout.completion_mask.sum(-1).float()  # [B]
+    return {
+        "len_mean": float(lengths.mean()),
+        "len_max": float(lengths.max()),
+        "truncated_frac": float(rollout.truncated.float().mean()),
+    }
+
+
+def reward_stats(reward: Tensor, group: Tensor) -> dict[str, float]:
+    """Batch std and spread of ``reward[B]``, mean within-group std and the fraction of uniform groups."""
+    reward = reward.double()
+    _, index = torch.unique(group, return_inverse=True)  # [B]: 0..G-1
+    count = torch.bincount(index).double()  # [G]
+    mean = torch.bincount(index, weights=reward) / count  # [G]
+    var = torch.bincount(index, weights=(reward - mean[index]) ** 2) / count  # [G]
+    high = torch.full_like(mean, -torch.inf).scatter_reduce(0, index, reward, "amax")  # [G]
+    low = torch.full_like(mean, torch.inf).scatter_reduce(0, index, reward, "amin")  # [G]
+    return {
+        "reward_std": float(reward.std(unbiased=False)),
+        "reward_spread": float(reward.max() - reward.min()),
+        "reward_group_std": float(var.sqrt().mean()),
+        "zero_adv_frac": float((high - low <= UNIFORM_ATOL).double().mean()),
+    }
+
+
+def unique_ngram_ratio(ids: Tensor, mask: Tensor, group: Tensor, n: int) -> float:
+    """Mean over groups of distinct / total ``n``-grams of token ids ``ids[B, T]`` where ``mask`` is 1; nan if no
+    group has an ``n``-gram (every completion shorter than ``n``)."""
+    if ids.shape[1] < n:
+        return float("nan")
+    _, index = torch.unique(group, return_inverse=True)  # [B]
+    windows = ids.unfold(1, n, 1)  # [B, W, n], W = T - n + 1
+    valid = mask.bool().unfold(1, n, 1).all(-1)  # [B, W]: the whole n-gram is completion tokens
+    tagged = torch.cat([index[:, None, None].expand(-1, windows.shape[1], 1), windows], -1)[valid]  # [N, 1 + n]
+    if tagged.numel() == 0:
+        return float("nan")
+    distinct = torch.unique(tagged, dim=0)[:, 0]  # [D]: the group of every distinct (group, n-gram)
+    groups = int(index.max()) + 1
+    total = torch.bincount(tagged[:, 0], minlength=groups).double()  # [G]
+    ratio = torch.bincount(distinct, minlength=groups).double() / total  # [G], nan where a group has none
+    return float(ratio[total > 0].mean())
+
+
+@torch.no_grad()
+def rollout_entropy(module: LightningModule, rollout: Rollout, batch_size: int | None) -> Tensor:
+    """Token entropy ``[B, T]`` of ``module.model`` at the module's sampling temperature, in eval mode."""
+    model, width = module.model, rollout.completion_ids.shape[1]
+    t = getattr(module, "temperature", 1.0)
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    parts = []
+    with training_mode(model, False):
+        for rows in torch.arange(len(rollout), device=ids.device).split(batch_size or len(rollout)):
+            out, _ = completion_logprobs(model, ids[rows], attn[rows], width, temperature=t, with_entropy=True)
+            parts.append(out.entropy)
+    return torch.cat(parts)

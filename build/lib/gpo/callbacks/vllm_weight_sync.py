@@ -1,0 +1,142 @@
+"""VLLMWeightSync: push the policy's weights into a vLLM rollout engine during training, and check that they took."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from gpo.algo.masked import masked_mean
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
+from gpo.models.weights import checkpoint_weights, full_parameters
+
+DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
+
+
+class VLLMWeightSync(Callback):
+    """Keeps a rollout engine that holds its own copy of the weights (``VLLMEngine``, ``VLLMServerEngine``) in step
+    with the policy being trained, and verifies now and then that engine and trainer give the same log-probs.
+
+    When: once at the start of training (the engine starts from the checkpoint on disk, the policy may have been
+    resumed), then at the end of each training batch after which ``weight_sync_interval`` or more optimiser steps
+    (``trainer.global_step``) have passed since the last sync: the next rollout is the first to use them. With an
+    interval above 1 the engine samples from weights up to that many steps old; ``ppo_clip_ref_logprobs: rollout``
+    and a ``correction`` (TIS/MIS) account for it.
+
+    What: the full weights under the transformers checkpoint's names (``gpo.models.weights.checkpoint_weights``). A LoRA
+    policy is pushed as merged weights ``W + scale * B @ A``, computed aside without touching the trained model;
+    loading the adapter alone into vLLM (its LoRA mode) is not supported yet. Sharded policies are gathered
+    first: DTensor parameters (FSDP2, tensor parallel) with ``full_tensor()``, FSDP1 inside ``summon_full_params``;
+    every rank takes part in the gathering. An engine that serves all ranks (``serves_all_ranks``: one vLLM
+    server, the multi-process setup) is updated by global rank 0 alone while the others wait at a barrier; any
+    other engine by every rank (``VLLMEngine`` runs in single-process training only). After an update the engine
+    resets its prefix cache.
+
+    Verification, at the first sync and every ``verify_every_k``-th after it: greedy completions of
+    ``probe_prompts`` from the engine (up to its ``max_new_tokens``) with its log-probs (vLLM applies no
+    temperature to greedy decoding, so both sides score at temperature 1), scored again by the trainer's model;
+    logs ``weight_sync/logprob_diff_max`` and ``weight_sync/logprob_diff_mean`` (absolute differences over the
+    completion tokens) and raises RuntimeError when the maximum exceeds ``max_logprob_diff``. Float32 engine and
+    trainer agree to about 1e-5; bfloat16 differs by up to about 0.3, hence the default. Also logged:
+    ``weight_sync/count`` and ``weight_sync/seconds`` (time of the latest push).
+
+    What the LightningModule must provide (gpo's ``GPOModule`` does): ``engine`` with ``update_weights(named
+    tensors)`` and ``generate(prompt_ids, n, greedy=, logprobs=)``; ``policy`` (the trained module, peft or not);
+    ``model`` (the transformers model to score with) and ``tokenizer``.
+
+    Args:
+        weight_sync_interval: optimiser steps between syncs (>= 1).
+        verify_every_k: verify at every k-th sync (the first sync included); 0 never verifies.
+        probe_prompts: texts of the probe batch (tokenized with the module's tokenizer).
+        max_logprob_diff: largest accepted |engine - trainer| log-prob on the probe.
+    """
+
+    def __init__(
+        self,
+        *,
+        weight_sync_interval: int = 1,
+        verify_every_k: int = 10,
+        probe_prompts: Sequence[str] = DEFAULT_PROBE_PROMPTS,
+        max_logprob_diff: float = 0.5,
+    ) -> None:
+        if weight_sync_interval < 1:
+            raise ValueError(f"weight_sync_interval={weight_sync_interval} must be >= 1 (optimiser steps).")
+        if verify_every_k < 0:
+            raise ValueError(f"verify_every_k={verify_every_k} must be >= 0 (0 never verifies).")
+        if verify_every_k and not probe_prompts:
+            raise ValueError("probe_prompts is empty; give at least one prompt, or set verify_every_k=0.")
+        if not max_logprob_diff > 0:
+            raise ValueError(f"max_logprob_diff={max_logprob_diff} must be > 0.")
+        self.weight_sync_interval, self.verify_every_k = weight_sync_interval, verify_every_k
+        self.probe_prompts = list(probe_prompts)
+        self.max_logprob_diff = max_logprob_diff
+        self.syncs, self.synced_at_step = 0, 0
+        self._pending: dict[str, float] = {}
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.sync(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step - self.synced_at_step >= self.weight_sync_interval:
+            self.sync(trainer, pl_module)
+        metrics, self._pending = self._pending, {}
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    # ---- the sync and its check -------------------------------------------------------------------------------
+
+    def sync(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Push the policy's weights into the engine now; verify when this sync is due for it."""
+        engine = pl_module.engine
+        started = time.perf_counter()
+        with full_parameters(trainer.strategy.model or pl_module):
+            weights = checkpoint_weights(pl_module.policy)
+            if trainer.global_rank == 0 or not getattr(engine, "serves_all_ranks", False):
+                engine.update_weights(weights.items())
+        if getattr(engine, "serves_all_ranks", False):
+            trainer.strategy.barrier("vllm_weight_sync")
+        self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
+        self._pending = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
+        if self.verify_every_k and (self.syncs - 1) % self.verify_every_k == 0:
+            self._pending.update(self.verify(pl_module))
+
+    @torch.no_grad()
+    def verify(self, pl_module: LightningModule) -> dict[str, float]:
+        """Engine vs trainer log-probs on the probe batch; RuntimeError past ``max_logprob_diff``."""
+        prompt_ids = [pl_module.tokenizer(text).input_ids for text in self.probe_prompts]
+        rollout = pl_module.engine.generate(prompt_ids, 1, greedy=True, logprobs=True).to(pl_module.device)
+        width = rollout.completion_ids.shape[1]
+        with training_mode(pl_module.model, False):
+            out, _ = completion_logprobs(pl_module.model, rollout.input_ids, rollout.attention_mask, width)
+        mask = rollout.completion_mask
+        diff = (rollout.logp - out.logp.float()).abs() * mask  # [B, T]
+        worst, mean = float(diff.max()), float(masked_mean(diff, mask))
+        if worst > self.max_logprob_diff:
+            raise RuntimeError(
+                f"VLLMWeightSync: after sync {self.syncs} the rollout engine's log-probs differ from the trainer's by "
+                f"up to {worst:.3g} (mean {mean:.3g}) on the probe prompts, above max_logprob_diff="
+                f"{self.max_logprob_diff}. The engine is not sampling from the trained weights: check that the "
+                "weight names match the checkpoint's and that the engine and trainer dtypes agree."
+            )
+        return {"weight_sync/logprob_diff_max": worst, "weight_sync/logprob_diff_mean": mean}
+
+    # ---- checkpointing ----------------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"syncs": self.syncs, "synced_at_step": self.synced_at_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.syncs, self.synced_at_step = int(state_dict["syncs"]), int(state_dict["synced_at_step"])

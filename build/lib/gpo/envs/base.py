@@ -1,0 +1,83 @@
+"""What an environment is: one episode stepped by text actions, and many episodes driven at once (asyncio)."""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+
+class Step(NamedTuple):
+    """What the environment answers to one action; unpacks like gym's ``obs, reward, done, info``."""
+
+    observation: str  # text shown to the policy before its next turn
+    reward: float  # the environment's reward for this action (a step reward)
+    done: bool  # the episode is over: no further turn
+    info: dict[str, Any]  # anything else (JSON-serialisable for task apps)
+
+
+class Environment(ABC):
+    """One episode at a time: ``reset`` starts it, ``step`` answers each policy turn until ``done``.
+
+    Implementations hold the episode's state; ``LocalEpisodes`` runs one deep copy per episode, so the
+    constructor arguments are the settings and the state lives in what ``reset`` sets.
+    """
+
+    @abstractmethod
+    def reset(self, seed: int, task: str) -> str:
+        """Start an episode of ``task`` (the prompt text) whose randomness comes from ``seed``; returns the first
+        observation ("" for none). Completions of the same prompt share ``seed``: they play the same episode."""
+
+    @abstractmethod
+    def step(self, action: str) -> Step:
+        """Apply the policy's turn (its decoded text) and answer it."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release what the episode holds (nothing by default)."""
+
+
+class Episodes(ABC):
+    """Opens, steps and closes many episodes of one environment concurrently; what ``MultiTurnEngine`` drives.
+
+    ``async with episodes:`` spans one batch of episodes (e.g. an HTTP session); handles are opaque to the caller.
+    """
+
+    async def __aenter__(self) -> Episodes:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        return None
+
+    @abstractmethod
+    async def open(self, seed: int, task: str) -> tuple[Any, str]:
+        """Start an episode; returns its handle and first observation."""
+
+    @abstractmethod
+    async def step(self, episode: Any, action: str, turn: int) -> Step:
+        """Apply turn ``turn`` (0, 1, ...) of ``episode``; ``turn`` lets a remote app answer a retried request once."""
+
+    @abstractmethod
+    async def close(self, episode: Any) -> None:
+        """End ``episode`` and release it (also after an error)."""
+
+
+class LocalEpisodes(Episodes):
+    """Episodes of an in-process ``Environment``: one deep copy of ``env`` per episode, called directly.
+
+    Args:
+        env: the environment whose settings every episode copies.
+    """
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    async def open(self, seed: int, task: str) -> tuple[Environment, str]:
+        episode = copy.deepcopy(self.env)
+        return episode, episode.reset(seed, task)
+
+    async def step(self, episode: Environment, action: str, turn: int) -> Step:
+        observation, reward, done, info = episode.step(action)
+        return Step(str(observation), float(reward), bool(done), dict(info))
+
+    async def close(self, episode: Environment) -> None:
+        episode.close()

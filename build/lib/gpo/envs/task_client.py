@@ -1,0 +1,93 @@
+"""The task app client: episodes of an environment served over HTTP, driven by ``MultiTurnEngine``."""
+
+from __future__ import annotations
+
+import uuid
+
+import aiohttp
+
+from gpo.envs.base import Episodes, Step
+from gpo.envs.http import Retries, ServiceError, request_json
+
+
+class TaskAppError(ServiceError):
+    """The task app at ``task_url`` is down, too slow, or answered out of protocol."""
+
+
+class TaskApp(Episodes):
+    """Episodes served by a task app at ``task_url`` (protocol: ``gpo.envs.task_app``).
+
+    Each batch of episodes opens one HTTP session and first asks ``GET /health``, so an app that is down fails the
+    rollout before any episode starts, with an error naming ``task_url``. Every request has its own timeout and is
+    retried with exponential backoff; a retried create or step is answered once by the app (the client names the
+    episode, and each step its turn), so no episode is created or stepped twice.
+
+    Args:
+        task_url: base URL of the task app, e.g. ``http://127.0.0.1:8001``.
+        timeout_s: seconds one request may take.
+        attempts: tries per request (1: no retry).
+        backoff_s: wait before the first retry, doubled for each further one.
+        max_backoff_s: longest wait between tries.
+    """
+
+    def __init__(
+        self,
+        *,
+        task_url: str,
+        timeout_s: float = 30.0,
+        attempts: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+    ) -> None:
+        if not task_url.startswith(("http://", "https://")):
+            raise ValueError(f"task_url={task_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8001.")
+        self.task_url = task_url.rstrip("/")
+        self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> TaskApp:
+        self._session = aiohttp.ClientSession()
+        try:
+            await self._call("GET", "/health")
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def open(self, seed: int, task: str) -> tuple[str, str]:
+        episode = uuid.uuid4().hex
+        answer = await self._call(
+            "POST", "/episodes", {"id": episode, "seed": seed, "task": task}, ("id", "observation")
+        )
+        return answer["id"], str(answer["observation"])
+
+    async def step(self, episode: str, action: str, turn: int) -> Step:
+        payload, keys = {"action": action, "turn": turn}, ("observation", "reward", "done")
+        answer = await self._call("POST", f"/episodes/{episode}/step", payload, keys)
+        return Step(str(answer["observation"]), float(answer["reward"]), bool(answer["done"]), answer.get("info", {}))
+
+    async def close(self, episode: str) -> None:
+        await self._call("DELETE", f"/episodes/{episode}", ok_status=frozenset({404}))  # already gone: closed
+
+    async def _call(self, method: str, path: str, payload=None, keys: tuple[str, ...] = (), ok_status=frozenset()):
+        if self._session is None:
+            raise RuntimeError("TaskApp is used outside `async with` (MultiTurnEngine opens it).")
+        describe = (
+            f"task app at task_url={self.task_url} (is it running? the reference app: "
+            "python -m gpo.envs.task_app --port PORT)"
+        )
+        try:
+            answer = await request_json(
+                self._session, method, self.task_url + path, payload,
+                retries=self.retries, describe=describe, ok_status=ok_status,
+            )  # fmt: skip
+        except ServiceError as exc:
+            raise TaskAppError(str(exc)) from exc
+        if keys and not (isinstance(answer, dict) and all(key in answer for key in keys)):
+            raise TaskAppError(f"{describe}: {method} {path} answered {answer!r:.200}; expected an object with {keys}.")
+        return answer

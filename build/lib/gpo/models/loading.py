@@ -1,0 +1,123 @@
+"""Loading the policy for training: full fine-tuning, LoRA, or QLoRA (4-bit base + LoRA, GPU only)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+TrainerMode = Literal["full", "lora", "qlora"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapter settings (peft).
+
+    Args:
+        r: rank of the update matrices.
+        alpha: scaling numerator (the update is scaled by ``alpha / r``).
+        dropout: dropout on the adapter input, active only in the gradient pass (sampling and old/reference
+            log-probs run without dropout).
+        target_modules: module names to adapt; None adapts every linear layer except the output layer.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.1
+    target_modules: list[str] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"model.lora.r={self.r} must be >= 1 (16 is usual).")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha={self.alpha} must be > 0 (the update is scaled by alpha / r).")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1) (0 disables it).")
+
+
+def check_trainer_mode(mode: str) -> None:
+    """Refuse unknown modes, and QLoRA where it cannot run, before any weights are loaded."""
+    if mode not in ("full", "lora", "qlora"):
+        raise ValueError(f"model.trainer_mode={mode!r} is not valid; choose 'full', 'lora' or 'qlora'.")
+    if mode == "qlora":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "model.trainer_mode='qlora' needs a CUDA GPU (4-bit bitsandbytes kernels); on CPU use "
+                "trainer_mode='lora'."
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("model.trainer_mode='qlora' needs bitsandbytes: pip install bitsandbytes.")
+
+
+def load_policy(path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSettings | None) -> PreTrainedModel:
+    """The trainable policy: the model itself (``full``) or a peft model with a LoRA adapter."""
+    check_trainer_mode(mode)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"model.dtype={dtype!r} is not valid; choose 'float32', 'bfloat16' or 'float16'.")
+    kwargs = {"dtype": getattr(torch, dtype)}
+    if mode == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, dtype)
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if Path(path).exists():
+            raise
+        raise FileNotFoundError(
+            f"model.policy={path!r} is not a local folder (looked for {Path(path).absolute()}) and could not be "
+            f"loaded as a hub model id; point it at a folder written by save_pretrained. ({err})"
+        ) from err
+    return model if mode == "full" else add_lora(model, lora or LoraSettings(), quantized=mode == "qlora")
+
+
+def add_lora(model: PreTrainedModel, settings: LoraSettings, *, quantized: bool = False) -> PreTrainedModel:
+    """Wrap ``model`` in a peft model with a fresh LoRA adapter; only the adapter trains."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(model)
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules or "all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def unwrap(model: PreTrainedModel) -> PreTrainedModel:
+    """The transformers model to run: a peft model's base model with its adapter layers injected and active."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+@contextlib.contextmanager
+def training_mode(model: torch.nn.Module, training: bool) -> Iterator[torch.nn.Module]:
+    """Run a block with ``model.train(training)``, restoring the previous mode afterwards."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def adapter_disabled(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """The reference policy of a LoRA run: the same weights with the adapter switched off (no second copy)."""
+    with model.disable_adapter():
+        yield unwrap(model)

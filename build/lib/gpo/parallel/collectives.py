@@ -1,0 +1,143 @@
+"""Collectives over the ranks of a distributed run (DDP), each one a no-op returning its input when torch.distributed
+is not initialised, so the single-process path computes exactly what it computed before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from gpo.rollout.base import Rollout
+
+
+def is_distributed() -> bool:
+    """More than one process in the default group (an in-process vLLM engine starts a group of one)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def reduce_over_ranks(x: Tensor, op: Literal["sum", "min", "max"]) -> Tensor:
+    """``op`` of ``x`` over the ranks, on every rank (``x`` itself when not distributed)."""
+    if not is_distributed():
+        return x
+    reduced = x.detach().clone()
+    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op.upper()))
+    return reduced
+
+
+def mean_of_scalar(value: float, device: torch.device | str = "cpu") -> float:
+    """The mean of a float over the ranks, by one all-reduce on ``device`` (the backend's: CUDA for NCCL);
+    ``value`` itself when not distributed."""
+    if not is_distributed():
+        return value
+    return float(reduce_over_ranks(torch.tensor(value, dtype=torch.float64, device=device), "sum")) / world_size()
+
+
+def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu") -> bool:
+    """Whether every rank holds at least ``needed`` items (rows, prompts); a single process: at least one.
+
+    Under DDP all ranks must train a step or all skip it, or the others would wait in a collective for ever; and
+    a rank needs a row for each of its minibatches, as it splits its own rows (``split_rows``)."""
+    if not is_distributed():
+        return count >= 1
+    return int(reduce_over_ranks(torch.tensor(count, device=device), "min")) >= needed
+
+
+def split_rows(order: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """A step's rows ``order`` in ``parts`` minibatches. Under DDP each rank splits its own rows, into exactly
+    ``parts`` (``tensor_split``: every rank takes the same number of optimiser steps), and the ranks' minibatch
+    ``k`` together are the global minibatch ``k``; a single process keeps ``chunk``'s split."""
+    return order.tensor_split(parts) if is_distributed() else order.chunk(parts)
+
+
+def ddp_normaliser(local: Tensor) -> Tensor:
+    """What each rank divides its loss numerator by so that DDP's *averaged* gradient is the gradient of the loss
+    over the global batch: ``N / W`` with ``N = sum_r N_r`` the global normaliser and ``W`` the world size.
+
+    With ``L_r = num_r / (N / W)``, DDP applies ``(1/W) sum_r grad L_r = grad(sum_r num_r) / N``, the single-process
+    gradient of ``sum_r num_r / N``; and the global loss ``sum_r num_r / N`` is the mean of the ranks' ``L_r``.
+    Every aggregator's normaliser is a sum over rows (tokens, sequences, rows x budget), so ``N`` is exact.
+    """
+    if not is_distributed():
+        return local
+    return reduce_over_ranks(local, "sum") / world_size()
+
+
+def gather_rows(x: Tensor) -> tuple[Tensor, slice]:
+    """Every rank's ``x`` stacked along dim 0 in rank order, and the slice of it that holds this rank's rows.
+
+    Ranks may hold different numbers of rows and different sizes along the other dims (e.g. completion widths):
+    those are zero-padded at the end to the largest. Not distributed: ``(x, slice(0, len(x)))``.
+    """
+    if not is_distributed():
+        return x, slice(0, x.shape[0])
+    shape = torch.tensor(x.shape, dtype=torch.long, device=x.device)  # [D]
+    shapes = [torch.empty_like(shape) for _ in range(world_size())]
+    dist.all_gather(shapes, shape)
+    largest = torch.stack(shapes).amax(0).tolist()  # [D]
+    padded = x.detach().new_zeros(largest)
+    padded[tuple(slice(0, n) for n in x.shape)] = x.detach()
+    parts = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded)
+    rows = [int(s[0]) for s in shapes]
+    start = sum(rows[: rank()])
+    return torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)]), slice(start, start + rows[rank()])
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` when not distributed)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def combine_metrics(per_rank: list[dict[str, float]], how: Callable[[list[float]], float]) -> dict[str, float]:
+    """One dict from the ranks' metric dicts: ``how`` of the values of each key over the ranks that have it (keys
+    in first-seen order; a rank may lack a key, e.g. a reward function that failed only there)."""
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    return {key: how([metrics[key] for metrics in per_rank if key in metrics]) for key in keys}
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric's mean over the ranks (``metrics`` itself when not distributed)."""
+    if not is_distributed():
+        return metrics
+    return combine_metrics(gather_objects(metrics), lambda values: sum(values) / len(values))
+
+
+def total_over_ranks(counts: dict[str, float]) -> dict[str, float]:
+    """Each count's sum over the ranks (``counts`` itself when not distributed)."""
+    if not is_distributed():
+        return counts
+    return combine_metrics(gather_objects(counts), sum)
+
+
+def gather_step(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], slice]:
+    """A step's per-row values over every rank's rows (in rank order, widths zero-padded to the widest) and the slice
+    of them that is this rank's. Group ids become ``group * W + rank``: distinct across ranks, and unchanged in a
+    single process. Batch statistics (advantage whitening, logged reward and length) are taken over these rows."""
+    local = {
+        "reward": rollout.reward,  # [B]
+        "group": rollout.group * world_size() + rank(),  # [B]
+        "mask": mask,  # [B, T]
+        "lengths": rollout.lengths,  # [B]
+        "truncated": rollout.truncated.float(),  # [B]
+        "scores": rollout.scores,  # [B, K]
+    }
+    gathered, rows = {}, slice(0, len(rollout))
+    for key, value in local.items():
+        gathered[key], rows = gather_rows(value)
+    return gathered, rows

@@ -1,0 +1,31 @@
+"""gpo.rewards: reward functions, the runner that calls them, and judges over HTTP.
+
+Each reward is a TRL-style callable ``(prompts, completions, **columns) -> list[float]``, one float per completion.
+"""
+
+from gpo.rewards.builtin import (
+    LengthPenalty,
+    RegexFormat,
+    answer_column,
+    column,
+    env_reward,
+    exact_match,
+    math_answer,
+    needs_columns,
+    positional_match,
+)
+from gpo.rewards.judge import JudgeError, JudgeReward
+
+__all__ = [
+    "JudgeError",
+    "JudgeReward",
+    "LengthPenalty",
+    "RegexFormat",
+    "answer_column",
+    "column",
+    "env_reward",
+    "exact_match",
+    "math_answer",
+    "needs_columns",
+    "positional_match",
+]

@@ -1,0 +1,205 @@
+"""What a rollout is, and the interface every rollout engine implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled.
+
+    Args:
+        temperature: softmax temperature (> 0); the trainer scores tokens at the same temperature.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        max_new_tokens: completion length budget; a completion that reaches it without EOS is truncated.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        # Engines take these as their own arguments: in YAML, model.engine.init_args.<name>.
+        if not self.temperature > 0:
+            raise ValueError(
+                f"model.engine.init_args.temperature={self.temperature} must be > 0 (1.0 samples the policy as is; "
+                "evaluation decodes greedily on its own)."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"model.engine.init_args.top_p={self.top_p} must be in (0, 1] (1 disables it).")
+        if self.top_k < 0:
+            raise ValueError(f"model.engine.init_args.top_k={self.top_k} must be >= 0 (0 disables it).")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"model.engine.init_args.max_new_tokens={self.max_new_tokens} must be >= 1 (the completion budget "
+                "in tokens)."
+            )
+
+
+@dataclass
+class Rollout:
+    """``B`` completions (``n`` per prompt, rows of a group adjacent) and everything known about them.
+
+    Token tensors put the prompt left-padded to ``P`` and the completion right-padded to ``T``, so
+    ``torch.cat([prompt_ids, completion_ids], 1)`` is the model input of every row.
+    """
+
+    prompt_ids: Tensor  # [B, P] long, left-padded
+    prompt_mask: Tensor  # [B, P] 1 on prompt tokens
+    completion_ids: Tensor  # [B, T] long, right-padded
+    completion_mask: Tensor  # [B, T] 1 on generated tokens, EOS included
+    truncated: Tensor  # [B] bool: reached max_new_tokens without EOS
+    group: Tensor  # [B] long: which prompt of the batch
+    logp: Tensor | None = None  # [B, T] float32: the sampler's log-probs of the completion tokens
+    prompts: list[str] = field(default_factory=list)  # [B]
+    completions: list[str] = field(default_factory=list)  # [B]
+    fields: dict[str, list] = field(default_factory=dict)  # extra dataset columns, one value per row
+    scores: Tensor | None = None  # [B, K] float32: one column per reward function, once scored
+    reward: Tensor | None = None  # [B] float32: the mixed reward, once scored
+    # [B, T] 1 on completion tokens that train; None: ``completion_mask``. Multi-turn rollouts put environment
+    # tokens in the context (``completion_mask`` 1) but out of the loss (``loss_mask`` 0). Set it anew whenever
+    # ``completion_mask`` changes.
+    loss_mask: Tensor | None = None
+    turn_adv: Tensor | None = None  # [B, T] float32: per-turn advantage of multi-turn step rewards, else None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [B, P + T]
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [B, P + T]
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)  # [B]
+
+    def select(self, rows: Tensor | list[int]) -> Rollout:
+        """The rollout restricted to ``rows`` (in that order)."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.completion_ids.device)
+        picked = index.tolist()
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            truncated=self.truncated[index],
+            group=self.group[index],
+            logp=None if self.logp is None else self.logp[index],
+            prompts=[self.prompts[i] for i in picked] if self.prompts else [],
+            completions=[self.completions[i] for i in picked] if self.completions else [],
+            fields={key: [values[i] for i in picked] for key, values in self.fields.items()},
+            scores=None if self.scores is None else self.scores[index],
+            reward=None if self.reward is None else self.reward[index],
+            loss_mask=self.loss_mask[index],
+            turn_adv=None if self.turn_adv is None else self.turn_adv[index],
+        )
+
+    def to(self, device: torch.device | str) -> Rollout:
+        required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated", "group")
+        move = {name: getattr(self, name).to(device) for name in required}
+        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward", "turn_adv")}
+        return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
+
+    @property
+    def num_groups(self) -> int:
+        return int(torch.unique(self.group).numel())
+
+
+def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
+    """One rollout from several: prompts re-padded on the left, completions on the right (with id 0 under a zero
+    mask), group ids renumbered so groups of different parts stay distinct."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    width_p = max(r.prompt_ids.shape[1] for r in rollouts)
+    width_t = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def left(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (width_p - x.shape[1], 0))
+
+    def right(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width_t - x.shape[1]))
+
+    groups, offset = [], 0
+    for r in rollouts:
+        _, index = torch.unique(r.group, return_inverse=True)
+        groups.append(index + offset)
+        offset += int(index.max()) + 1 if len(r) else 0
+
+    def cat_optional(name: str, pad=None) -> Tensor | None:
+        parts = [getattr(r, name) for r in rollouts]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([pad(p) if pad else p for p in parts])
+
+    keys = rollouts[0].fields.keys()
+    return Rollout(
+        prompt_ids=torch.cat([left(r.prompt_ids) for r in rollouts]),
+        prompt_mask=torch.cat([left(r.prompt_mask) for r in rollouts]),
+        completion_ids=torch.cat([right(r.completion_ids) for r in rollouts]),
+        completion_mask=torch.cat([right(r.completion_mask) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        group=torch.cat(groups),
+        logp=cat_optional("logp", right),
+        prompts=[p for r in rollouts for p in r.prompts],
+        completions=[c for r in rollouts for c in r.completions],
+        fields={key: [v for r in rollouts for v in r.fields[key]] for key in keys},
+        scores=cat_optional("scores"),
+        reward=cat_optional("reward"),
+        loss_mask=torch.cat([right(r.loss_mask) for r in rollouts]),
+        turn_adv=_cat_turn_adv(rollouts, right),
+    )
+
+
+def _cat_turn_adv(rollouts: list[Rollout], right) -> Tensor | None:
+    """The parts' ``turn_adv`` one below the other; a part without one (no step rewards) adds zeros."""
+    if all(r.turn_adv is None for r in rollouts):
+        return None
+    parts = [
+        torch.zeros_like(r.completion_ids, dtype=torch.float32) if r.turn_adv is None else r.turn_adv for r in rollouts
+    ]
+    return torch.cat([right(p) for p in parts])
+
+
+class RolloutEngine(ABC):
+    """Samples ``n`` completions for each prompt. The module never imports a concrete engine."""
+
+    # True when the engine samples from the very module being trained (no copy of the weights to keep in sync):
+    # then its log-probs equal the trainer's, and the trainer skips measuring the mismatch.
+    shares_policy_weights: bool = False
+
+    def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:  # noqa: B027
+        """Called once by the trainer with the policy it trains; engines with their own weights may ignore it."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        logprobs: bool = True,
+    ) -> Rollout:
+        """Sample ``n`` completions of each prompt (token ids, no padding); rows of prompt ``i`` get group ``i``.
+
+        Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, when ``logprobs`` is asked for and
+        the engine has them, the sampled tokens' ``logp`` at the sampling temperature. Texts and dataset fields
+        are the caller's to add; an engine may add fields of its own (a multi-turn engine's episode records).
+        """

@@ -1,0 +1,141 @@
+"""The embedded rollout engine: transformers' ``generate`` on the policy being trained. Runs anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gpo.models.loading import training_mode
+from gpo.models.scorer import completion_logprobs
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token lists -> ``ids[N, P]`` left-padded with ``pad_id`` and ``mask[N, P]``."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            mask[row, width - len(tokens) :] = 1
+    return ids, mask
+
+
+def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+    """``mask[B, T]`` of generated tokens up to and including the first EOS, and ``truncated[B]`` (no EOS)."""
+    is_eos = completion_ids == eos_id
+    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return (~after_eos).long(), ~is_eos.any(1)
+
+
+class HFEngine(RolloutEngine):
+    """Sampling with ``model.generate`` (KV cache, EOS stopping), log-probs from one extra forward pass.
+
+    The sampled tokens' log-probs (when asked for) come from one extra forward pass through the same memory-lean
+    path the trainer uses, at the sampling temperature, so they equal the trainer's old-policy log-probs up to
+    kernel nondeterminism.
+
+    Args:
+        temperature: sampling temperature (> 0).
+        top_p: nucleus mass; 1 disables it.
+        top_k: top-k filter; 0 disables it.
+        max_new_tokens: completion budget in tokens.
+        batch_size: prompts x samples generated per ``generate`` call (None: all at once).
+    """
+
+    shares_policy_weights = True
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 64,
+        batch_size: int | None = None,
+    ) -> None:
+        self.sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(
+                f"model.engine.init_args.batch_size={batch_size} must be >= 1, or null to generate in one call."
+            )
+        self.batch_size = batch_size
+        self.policy: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+
+    def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.policy, self.tokenizer = policy, tokenizer
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return self.eos_id if pad is None else pad
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        logprobs: bool = True,
+    ) -> Rollout:
+        if self.policy is None:
+            raise RuntimeError("HFEngine.generate called before setup(policy, tokenizer).")
+        device = self.policy.device
+        ids, mask = left_pad(prompt_ids, self.pad_id)
+        ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)  # [B, P]
+        group = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # [B]
+        step = self.batch_size or ids.shape[0]
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else None
+        with rng or contextlib.nullcontext(), training_mode(self.policy, False):
+            if seed is not None:
+                torch.manual_seed(seed)
+            chunks = [self._sample(ids[i : i + step], mask[i : i + step], greedy) for i in range(0, len(ids), step)]
+        completion = _right_pad([c for c in chunks], self.pad_id)  # [B, T]
+        completion_mask_, truncated = completion_mask(completion, self.eos_id)
+        completion = completion.masked_fill(completion_mask_ == 0, self.pad_id)
+        logp = self._logprobs(ids, mask, completion, completion_mask_) if logprobs else None
+        return Rollout(ids, mask, completion, completion_mask_, truncated, group, logp=logp)
+
+    def _sample(self, ids: Tensor, mask: Tensor, greedy: bool) -> Tensor:
+        s = self.sampling
+        sampling_kwargs = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+        )
+        out = self.policy.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=s.max_new_tokens,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            **sampling_kwargs,
+        )
+        return out[:, ids.shape[1] :]
+
+    @torch.no_grad()
+    def _logprobs(self, ids: Tensor, mask: Tensor, completion: Tensor, completion_mask_: Tensor) -> Tensor:
+        logprobs, _ = completion_logprobs(
+            self.policy,
+            torch.cat([ids, completion], 1),
+            torch.cat([mask, completion_mask_], 1),
+            completion.shape[1],
+            temperature=self.sampling.temperature,
+        )
+        return logprobs.logp.masked_fill(completion_mask_ == 0, 0.0)
+
+
+def _right_pad(chunks: list[Tensor], pad_id: int) -> Tensor:
+    width = max(c.shape[1] for c in chunks)
+    padded = [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks]
+    return torch.cat(padded, 0)

@@ -1,0 +1,97 @@
+"""Checkpoint files that are whole or absent: written to a temporary file beside the target, flushed to disk, then
+renamed over it; read back with an error that says what to do when a file is damaged."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which file and what to do."""
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)`` that never leaves a partial file at ``path``.
+
+    The bytes go to ``.<name>.tmp-<pid>`` in the same folder (so the rename cannot cross file systems), are
+    fsynced, then ``os.replace`` swaps them in and the folder entry is fsynced. A crash, a kill or a full disk
+    at any point leaves the previous ``path`` as it was; a failed write removes its temporary file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the folder may have been removed under a running job
+    temporary = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, Exception):  # torch reports a failed write (full disk) as a RuntimeError
+            raise CheckpointError(
+                f"could not write checkpoint {path}: {error}. The previous file at that path, if any, is intact. "
+                "Free disk space or point the checkpoint callback's dirpath elsewhere."
+            ) from error
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def load_checkpoint_file(
+    path: str | Path, map_location: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """``torch.load`` of a whole checkpoint, or a ``CheckpointError`` naming the file when it is truncated or
+    corrupt (nothing is loaded into any model in that case)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except PermissionError:
+        raise
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
+        if "Weights only load failed" in str(error):
+            raise  # a whole file holding objects torch will not unpickle by default: torch's message says what to do
+        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
+        hint = f"Resume from another checkpoint of {path.parent} ({', '.join(others)})" if others else "Start over"
+        raise CheckpointError(
+            f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}, "
+            "or delete the file to start from scratch."
+        ) from error
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO with atomic local writes and a clear error on damaged files.
+
+    Lightning's own writer stages the whole checkpoint in memory and moves a file from the system temp folder,
+    which is a copy (not a rename) when that folder is on another file system; this one writes next to the
+    target and renames. Remote paths (``s3://`` and the like) fall back to Lightning's writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if "://" in str(path):
+            return super().load_checkpoint(path, map_location, weights_only)
+        return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)

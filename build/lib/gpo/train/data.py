@@ -1,0 +1,292 @@
+"""Prompt datasets from local files and the Lightning DataModule that serves them in batches of prompts."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gpo.parallel import collectives
+from gpo.train.preflight import check_pretrained_folder
+
+log = logging.getLogger(__name__)
+
+LongPrompts = Literal["error", "truncate"]
+_FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a local JSONL/JSON/Parquet/CSV file, or of a folder saved with ``datasets``' ``save_to_disk``."""
+    import datasets  # imported here: loading takes a second and only data setup needs it
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {str(path)!r} does not exist; give a .jsonl/.json/.parquet/.csv file.")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ValueError(f"{path} holds splits {list(loaded)}; save the one to train on as 'train'.")
+            loaded = loaded["train"]
+        return loaded.to_list()
+    kind = _FILE_TYPES.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(_FILE_TYPES)}.")
+    if path.stat().st_size == 0:
+        return []
+    return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
+    """A prompt's token ids, wrapped in the tokenizer's chat template as a user turn when ``chat_template``."""
+    if not chat_template:
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch of prompts: ``prompt_ids`` and ``prompt`` lists, and every other column under ``fields``."""
+    fields = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt_ids", "prompt")}
+    prompts = {"prompt_ids": [row["prompt_ids"] for row in rows], "prompt": [row["prompt"] for row in rows]}
+    return {**prompts, "fields": fields}
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts for RL: each row's prompt is tokenised once; its other columns go to the reward functions.
+
+    Args:
+        path: training prompts (JSONL/JSON/Parquet/CSV file or a saved ``datasets`` folder).
+        val_path: held-out prompts for evaluation; None splits off ``val_size`` rows of ``path`` instead.
+        val_size: rows of ``path`` held out for evaluation when ``val_path`` is None (0: no evaluation set).
+        tokenizer: tokenizer folder; normally linked to the policy's path.
+        prompt_column: the column holding the prompt text.
+        prompts_per_step: prompts per training step over all processes (each gets ``group_size`` completions);
+            under DDP each of the ``W`` processes samples ``prompts_per_step / W`` of them.
+        max_prompt_length: the longest prompt in tokens.
+        long_prompts: ``error`` refuses a longer prompt (naming its row); ``truncate`` keeps its last
+            ``max_prompt_length`` tokens and logs how many were cut.
+        chat_template: wrap prompts in the tokenizer's chat template as a user turn; None applies it when the
+            tokenizer has one.
+        seed: seed of the shuffle and of the validation split.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        val_path: str | None = None,
+        val_size: int = 0,
+        tokenizer: str | None = None,
+        prompt_column: str = "prompt",
+        prompts_per_step: int = 8,
+        max_prompt_length: int = 512,
+        long_prompts: LongPrompts = "error",
+        chat_template: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"data.prompts_per_step={prompts_per_step} must be >= 1 (prompts per training step).")
+        if max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1 (the longest prompt in tokens).")
+        if long_prompts not in ("error", "truncate"):
+            raise ValueError(f"data.long_prompts={long_prompts!r} is not valid; choose 'error' or 'truncate'.")
+        if val_size < 0:
+            raise ValueError(f"data.val_size={val_size} must be >= 0 (0: no held-out rows).")
+        self.path, self.val_path, self.val_size = path, val_path, val_size
+        self.tokenizer_path, self.prompt_column = tokenizer, prompt_column
+        self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
+        self.long_prompts, self.chat_template, self.seed = long_prompts, chat_template, seed
+        self.train_rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
+        self.columns: dict[str, list[str]] = {}  # each file's columns, keyed "data.path='...'"; set by setup
+        self.longest_prompt: tuple[int, str] = (0, "no prompt")  # tokens, and which row; set by setup
+
+    def setup(self, stage: str | None = None) -> None:
+        ranks = self.trainer.world_size if self.trainer is not None else 1
+        if self.prompts_per_step % ranks:
+            raise ValueError(
+                f"data.prompts_per_step={self.prompts_per_step} is the global batch: it must split evenly over the "
+                f"{ranks} processes (trainer.devices x trainer.num_nodes); make it a multiple of {ranks}."
+            )
+        if self.train_rows:
+            return
+        if self.tokenizer_path is None:
+            raise ValueError("PromptDataModule needs tokenizer= (the policy's folder; `gpo fit` links it).")
+        check_pretrained_folder(self.tokenizer_path, "data.tokenizer", "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        rows = self._prepare(tokenizer, "path")
+        if self.val_path is not None:
+            self.train_rows, self.val_rows = rows, self._prepare(tokenizer, "val_path")
+        else:
+            if self.val_size >= len(rows):
+                raise ValueError(
+                    f"data.val_size={self.val_size} leaves no training rows out of {len(rows)}; hold out fewer."
+                )
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            cut = len(rows) - self.val_size
+            self.train_rows = [rows[i] for i in order[:cut]]
+            self.val_rows = [rows[i] for i in order[cut:]]
+
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase, name: str) -> list[dict]:
+        """The rows of the file in argument ``name`` (``path`` or ``val_path``), tokenised and checked."""
+        path = getattr(self, name)
+        source = f"data.{name}={str(path)!r}"
+        try:
+            records = load_records(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"data.{name}: {err}") from err
+        if not records:
+            raise ValueError(f"{source} has no rows; point data.{name} at a file with at least one prompt.")
+        if self.prompt_column not in records[0]:
+            raise ValueError(
+                f"{source} has no column {self.prompt_column!r} (prompt_column); its columns are: "
+                f"{', '.join(records[0])}. Set data.prompt_column to the column holding the prompt text."
+            )
+        self.columns[source] = list(records[0])
+        use_template = self.chat_template if self.chat_template is not None else bool(tokenizer.chat_template)
+        if use_template and not tokenizer.chat_template:
+            raise ValueError(
+                "data.chat_template=True but the tokenizer has no chat template; set data.chat_template: false."
+            )
+        prepared, cut = [], 0
+        for index, record in enumerate(records):
+            text = record[self.prompt_column]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{source} row {index}: column {self.prompt_column!r} (data.prompt_column) holds {text!r:.80}, "
+                    "not text; give every row a prompt string."
+                )
+            ids = _tokenize(tokenizer, text, use_template)
+            if len(ids) > self.max_prompt_length:
+                if self.long_prompts == "error":
+                    raise ValueError(
+                        f"{source} row {index}: the prompt is {len(ids)} tokens, over max_prompt_length="
+                        f"{self.max_prompt_length}. Raise data.max_prompt_length or set data.long_prompts: truncate."
+                    )
+                ids, cut = ids[-self.max_prompt_length :], cut + 1
+            if len(ids) > self.longest_prompt[0]:
+                self.longest_prompt = (len(ids), f"{source} row {index}")
+            fields = {k: v for k, v in record.items() if k != self.prompt_column}
+            prepared.append({"prompt_ids": ids, "prompt": text, **fields})
+        if cut:
+            log.warning("%s: %d prompts longer than %d tokens were truncated.", source, cut, self.max_prompt_length)
+        return prepared
+
+    def train_dataloader(self) -> PromptLoader:
+        trainer = self.trainer
+
+        def batches_trained() -> int:  # what the fit loop has finished of this epoch, prefetched batches excluded
+            return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+
+        rank, ranks = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return PromptLoader(
+            self.train_rows, self.prompts_per_step // ranks, seed=self.seed, batches_trained=batches_trained,
+            rank=rank, world_size=ranks,
+        )  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
+
+
+class EpochOrder(DistributedSampler):
+    """Row order of one epoch, this process's share of it: a permutation drawn from ``(seed, epoch)`` alone, so any
+    epoch can be replayed.
+
+    With ``world_size`` W > 1 the permutation is padded to a multiple of W by repeating its first rows (as torch's
+    ``DistributedSampler`` does) and rank ``r`` takes rows ``r, r + W, r + 2W, ...``. Batches of ``P / W`` rows per
+    rank then make global batch ``b`` rows ``[b P, (b + 1) P)`` of the permutation for any W, the batch a single
+    process with batch size ``P`` draws; and minibatch ``k`` of every rank's share together are minibatch ``k`` of
+    that single-process batch. Being a ``DistributedSampler``, it is left in place by Lightning, which would
+    otherwise wrap the loader's sampler in one of its own.
+
+    ``resume(epoch, rows_done)`` makes the next pass over that epoch skip its first ``rows_done`` rows of this
+    rank's share (once); ``len`` stays the whole share, as Lightning's loop expects of a resumed loader.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, *, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        self.size, self._skip = size, (0, 0)
+
+    def resume(self, epoch: int, rows_done: int) -> None:
+        self.epoch, self._skip = epoch, (epoch, rows_done)
+
+    def order(self, epoch: int) -> list[int]:
+        """The whole epoch's permutation (every rank's rows)."""
+        if not self.shuffle:
+            return list(range(self.size))
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self):
+        skip_epoch, rows_done = self._skip
+        self._skip = (0, 0)
+        start = rows_done if skip_epoch == self.epoch else 0
+        rows = self.order(self.epoch)
+        if self.num_replicas > 1:
+            rows = (rows * math.ceil(self.total_size / max(len(rows), 1)))[: self.total_size]
+            rows = rows[self.rank :: self.num_replicas]
+        yield from rows[start:]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class PromptLoader(DataLoader):
+    """Batches of prompts whose place in the run can be saved and restored (Lightning calls ``state_dict`` when it
+    checkpoints and ``load_state_dict`` before the first batch of a resumed run).
+
+    Args:
+        rows: prepared prompt rows.
+        batch_size: prompts per batch.
+        seed: shuffle seed; epoch ``e`` uses the permutation of ``seed + e``.
+        batches_trained: how many batches of the current epoch have been trained on when a checkpoint is written
+            (the training loop's count: a loader cannot tell a batch trained on from one only prefetched).
+        rank: this process's rank; with ``world_size`` > 1 it loads its share of each epoch (see ``EpochOrder``).
+        world_size: number of processes sharing the epoch.
+    """
+
+    def __init__(
+        self, rows: list[dict[str, Any]], batch_size: int, *, seed: int, batches_trained, rank: int = 0,
+        world_size: int = 1,
+    ) -> None:  # fmt: skip
+        self.order = EpochOrder(len(rows), seed, rank=rank, world_size=world_size)
+        # its own generator: starting an iterator would otherwise draw a worker seed from torch's global one
+        generator = torch.Generator().manual_seed(seed)
+        super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate, generator=generator)
+        self.batches_trained = batches_trained
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.order.epoch, "batches_done": int(self.batches_trained())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.order.resume(state["epoch"], state["batches_done"] * self.batch_size)
+
+
+def batches_per_pass(loader: DataLoader) -> int | None:
+    """Batches in one pass of this process over a map-style dataset with a fixed batch size; None for anything
+    else."""
+    try:
+        rows = len(loader.sampler)  # this rank's share under DDP, the whole dataset otherwise
+    except TypeError:
+        return None
+    return math.ceil(rows / loader.batch_size) if loader.batch_size else None
+
+
+def reshuffled(loader: DataLoader, seed: int) -> DataLoader:
+    """``loader``'s rows and batching in an order drawn from ``seed`` alone (this rank's share of it under DDP)."""
+    order = EpochOrder(len(loader.dataset), seed, rank=collectives.rank(), world_size=collectives.world_size())
+    # A generator of its own also keeps the loader's worker seed off torch's global generator, which would
+    # otherwise be drawn from whenever an iterator starts (and a resumed run starts them at other times).
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip

@@ -1,0 +1,75 @@
+"""Saving the trained policy as a transformers folder (weights + tokenizer) that transformers and vLLM load."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gpo.models.loading import is_peft
+
+ExportMode = Literal["merged", "adapter", "none"]
+
+
+def export_policy(
+    policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path, *, merge: bool = True
+) -> Path:
+    """Write ``policy`` and ``tokenizer`` to ``folder`` with ``save_pretrained``; returns the folder.
+
+    A LoRA policy is saved merged into its base weights (``merge=True``: a plain model folder) or as the
+    adapter alone (``merge=False``: load it with peft on top of the base model); the training model itself is
+    left untouched. The folder appears whole or not at all: files go to a sibling temporary folder first.
+    """
+    folder = Path(folder)
+    partial = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model = policy
+    if is_peft(policy) and merge:
+        model = copy.deepcopy(policy).merge_and_unload()
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if folder.exists():
+        previous = folder.with_name(f".{folder.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        folder.rename(previous)
+        partial.rename(folder)
+        shutil.rmtree(previous)
+    else:
+        partial.rename(folder)
+    return folder
+
+
+def export_checkpoint(
+    config: str | Path, checkpoint: str | Path, folder: str | Path, *, merge: bool = True, policy: str | None = None
+) -> Path:
+    """Export the policy of a Lightning checkpoint of a ``gpo fit`` run as a transformers folder.
+
+    ``config`` is the run's saved ``config.yaml`` (it says which base model, trainer mode and LoRA settings
+    to rebuild); ``policy`` overrides its ``model.policy`` path, e.g. when the run was started elsewhere.
+    """
+    import torch
+    import yaml
+    from transformers import AutoTokenizer
+
+    from gpo.models.loading import LoraSettings, load_policy
+
+    settings = yaml.safe_load(Path(config).read_text())["model"]
+    path = policy or settings["policy"]
+    if not Path(path).exists():
+        raise FileNotFoundError(f"the run's base model {path!r} does not exist here; pass the folder as --policy.")
+    lora = LoraSettings(**settings["lora"]) if settings.get("lora") else None
+    model = load_policy(
+        path, dtype=settings.get("dtype", "float32"), mode=settings.get("trainer_mode", "full"), lora=lora
+    )
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    weights = {key.removeprefix("policy."): value for key, value in state.items() if key.startswith("policy.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise ValueError(
+            f"{checkpoint} does not match the model in {config}: missing {missing}, unexpected {unexpected}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer") or path)
+    return export_policy(model, tokenizer, folder, merge=merge)

@@ -1,0 +1,108 @@
+"""Judges over HTTP as reward functions: ``event`` scores each policy turn, ``outcome`` each whole episode.
+
+Protocol (the reference server is ``gpo.rewards.judge_app``): ``POST /score`` with ``{"kind": "event" | "outcome",
+"prompt": STR, "completion": STR, "turns": [{"action", "observation", "reward", "info"}, ...], "turn": INT}``
+answers ``{"score": FLOAT}``. For an event, ``turns`` is the history up to and including the judged turn ``turn``;
+for an outcome, every turn (and ``turn`` is the last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import aiohttp
+
+from gpo.envs.http import Retries, ServiceError, request_json
+
+JudgeKind = Literal["event", "outcome"]
+
+
+class JudgeError(ServiceError):
+    """The judge at ``judge_url`` is down, too slow, or answered out of protocol."""
+
+
+class JudgeReward:
+    """A reward function ``(prompts, completions, turns, **columns) -> list[float]`` whose scores come from a judge.
+
+    ``outcome``: one request per episode, its score is the reward. ``event``: one request per policy turn, the
+    reward is the mean score of the episode's turns (0 for an episode without turns). At most ``max_concurrency``
+    requests are in flight; each has its own timeout and is retried with exponential backoff. ``turns`` is the
+    column ``MultiTurnEngine`` fills. Blend judges with the environment's reward through ``EnvEventOutcomeBlend``.
+
+    Args:
+        judge_url: base URL of the judge, e.g. ``http://127.0.0.1:8002``.
+        kind: ``event`` or ``outcome``.
+        timeout_s: seconds one request may take.
+        max_concurrency: requests in flight at once.
+        attempts: tries per request (1: no retry).
+        backoff_s: wait before the first retry, doubled for each further one.
+    """
+
+    def __init__(
+        self,
+        *,
+        judge_url: str,
+        kind: JudgeKind = "outcome",
+        timeout_s: float = 30.0,
+        max_concurrency: int = 8,
+        attempts: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        if kind not in ("event", "outcome"):
+            raise ValueError(f"JudgeReward kind={kind!r} is not valid; choose 'event' or 'outcome'.")
+        if max_concurrency < 1:
+            raise ValueError(f"JudgeReward max_concurrency={max_concurrency} must be >= 1.")
+        if not judge_url.startswith(("http://", "https://")):
+            raise ValueError(f"judge_url={judge_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8002.")
+        self.judge_url, self.kind, self.max_concurrency = judge_url.rstrip("/"), kind, max_concurrency
+        self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s)
+        self.name = f"judge_{kind}"
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], turns: Sequence[list] | None = None, **columns
+    ) -> list[float]:
+        if turns is None:
+            raise ValueError(
+                f"reward {self.name} needs the 'turns' column of multi-turn rollouts; set model.engine to a "
+                "gpo.rollout.MultiTurnEngine."
+            )
+        requests, owners = [], []
+        for row, (prompt, completion, history) in enumerate(zip(prompts, completions, turns, strict=True)):
+            judged = range(len(history)) if self.kind == "event" else [len(history) - 1]
+            for turn in judged:
+                shown = history[: turn + 1] if self.kind == "event" else history
+                requests.append(
+                    {"kind": self.kind, "prompt": prompt, "completion": completion, "turns": shown, "turn": turn}
+                )
+                owners.append(row)
+        scores = asyncio.run(self._score_all(requests))
+        totals, counts = [0.0] * len(prompts), [0] * len(prompts)
+        for row, value in zip(owners, scores, strict=True):
+            totals[row] += value
+            counts[row] += 1
+        return [total / count if count else 0.0 for total, count in zip(totals, counts, strict=True)]
+
+    async def _score_all(self, requests: list[dict[str, Any]]) -> list[float]:
+        limit = asyncio.Semaphore(self.max_concurrency)
+        describe = (
+            f"judge at judge_url={self.judge_url} (is it running? the reference: python -m gpo.rewards.judge_app)"
+        )
+        async with aiohttp.ClientSession() as session:
+
+            async def one(request: dict[str, Any]) -> float:
+                async with limit:
+                    answer = await request_json(
+                        session, "POST", f"{self.judge_url}/score", request, retries=self.retries, describe=describe
+                    )
+                score = answer.get("score") if isinstance(answer, dict) else None
+                if not isinstance(score, int | float) or not math.isfinite(score):
+                    raise JudgeError(f"{describe}: POST /score answered {answer!r:.200}; expected {{'score': number}}.")
+                return float(score)
+
+            try:
+                return list(await asyncio.gather(*(one(r) for r in requests)))
+            except ServiceError as exc:
+                raise JudgeError(str(exc)) from exc

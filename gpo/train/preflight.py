@@ -1,0 +1,224 @@
+"""Checks run before any sampling: paths, reward functions against the dataset, tokenizer, context and batch
+sizes. Each error names the config field (its YAML path) and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from gpo.algo.gates import NoGate, RatioGate
+from gpo.algo.presets import AlgorithmKnobs
+from gpo.rewards.runner import reward_name
+
+log = logging.getLogger(__name__)
+
+#: Columns the trainer adds to every reward call (``gpo.rewards.runner.score``), whatever the dataset holds.
+TRAINER_COLUMNS = frozenset({"completion_ids"})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def check_pretrained_folder(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
+    """Refuse a local ``path`` that does not exist or lacks ``kind``'s files; a hub id (``org/name``) that is not
+    a local folder is left to transformers."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID.match(path):
+            return
+        raise FileNotFoundError(
+            f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
+            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model); relative paths start "
+            f"from the working directory."
+        )
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{field}={path!r} is a file; give the folder that holds it (save_pretrained's).")
+    if kind == "model" and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{field}={path!r} has no config.json, so it is not a transformers model folder; point {field} at the "
+            f"folder written by model.save_pretrained."
+        )
+    if kind == "tokenizer" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{field}={path!r} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer into that folder with tokenizer.save_pretrained(folder)."
+        )
+
+
+def check_reward_signature(fn: Any, index: int) -> None:
+    """Refuse a reward that cannot be called as ``fn(prompts, completions, **columns)``."""
+    name = f"model.rewards[{index}]"
+    if not callable(fn):
+        raise TypeError(
+            f"{name}={fn!r} is not callable; give a function (prompts, completions, **columns) -> list[float] "
+            "or its import path (e.g. gpo.rewards.exact_match)."
+        )
+    parameters = _parameters(fn)
+    if parameters is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return
+    positional = [p.name for p in parameters if p.kind in _POSITIONAL]
+    if len(positional) < 2:
+        raise TypeError(
+            f"{name} ({reward_name(fn)}) takes positional parameters {positional}, but a reward is called as "
+            "fn(prompts, completions, **columns); give it (prompts, completions, **kwargs) first."
+        )
+
+
+def required_columns(fn: Callable[..., Any]) -> list[str]:
+    """Dataset columns ``fn`` cannot run without: those it declares in ``required_columns`` (built-ins that read
+    ``**columns``) and its named parameters without a default after ``(prompts, completions)``."""
+    declared = list(getattr(fn, "required_columns", ()))
+    named = [p.name for p in _column_parameters(fn) or () if p.default is inspect.Parameter.empty]
+    return declared + [name for name in named if name not in declared]
+
+
+def check_reward_columns(rewards: Sequence[Any], columns: Mapping[str, Sequence[str]], prompt_column: str) -> None:
+    """Every reward gets the columns it needs, and no column it cannot take, from every dataset it scores.
+
+    ``columns`` maps a dataset's config field (``data.path=...``) to its column names; rewards see all of them
+    but ``prompt_column`` (passed as ``prompts``), plus ``completion_ids``.
+    """
+    for source, names in columns.items():
+        given = (set(names) - {prompt_column}) | TRAINER_COLUMNS
+        for fn in rewards:
+            missing = [column for column in required_columns(fn) if column not in given]
+            if missing:
+                raise ValueError(
+                    f"the reward {reward_name(fn)} needs column(s) {missing}; {source} has {list(names)} "
+                    f"({prompt_column!r} is data.prompt_column). Add the column to the dataset, or use a reward "
+                    f"that does not need it."
+                )
+            parameters = _column_parameters(fn)
+            if parameters is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(fn)):
+                continue
+            unknown = sorted(given - {p.name for p in parameters})
+            if unknown:
+                raise ValueError(
+                    f"the reward {reward_name(fn)} is called with column(s) {unknown} from {source}, which it does not "
+                    f"take; add **kwargs to its parameters so it ignores the columns it does not use."
+                )
+
+
+def check_tokenizer(tokenizer: Any, field: str, embedding_rows: int | None) -> None:
+    """The tokenizer can end and pad completions, and its ids fit the policy's embedding."""
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"the tokenizer ({field}) has neither a pad token nor an EOS token; sampling needs EOS to end a "
+            "completion and a pad id to batch them. Add a pad_token or eos_token to the tokenizer "
+            "(tokenizer.add_special_tokens({'eos_token': ...}); then save_pretrained it), or use one that has them."
+        )
+    if embedding_rows is not None and len(tokenizer) > embedding_rows:
+        raise ValueError(
+            f"the tokenizer ({field}) has {len(tokenizer)} tokens but model.policy's input embedding has "
+            f"{embedding_rows} rows, so some token ids would index past it; use the tokenizer saved with the model, "
+            "or call model.resize_token_embeddings(len(tokenizer)) and save the model."
+        )
+
+
+def check_context(longest_prompt: tuple[int, str], max_new_tokens: int | None, context: int | None) -> None:
+    """The longest prompt plus the generation budget fits the model's context (``max_position_embeddings``)."""
+    if max_new_tokens is None or context is None:
+        return
+    tokens, where = longest_prompt
+    budget = f"model.engine.init_args.max_new_tokens={max_new_tokens}"
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"{budget} leaves no room for a prompt in the model's context of {context} tokens "
+            f"(max_position_embeddings of model.policy); set max_new_tokens below {context}."
+        )
+    if tokens + max_new_tokens > context:
+        raise ValueError(
+            f"the longest prompt ({where}) is {tokens} tokens; with {budget} a sequence reaches "
+            f"{tokens + max_new_tokens} tokens, over the model's context of {context} (max_position_embeddings of "
+            f"model.policy). Lower max_new_tokens, or cut prompts to fit: data.max_prompt_length: "
+            f"{context - max_new_tokens} with data.long_prompts: truncate."
+        )
+
+
+def check_minibatches(prompts_per_step: int, group_size: int, number_of_minibatches: int, ranks: int = 1) -> None:
+    """The rollout of one step splits into ``number_of_minibatches`` equal minibatches; under DDP each of the
+    ``ranks`` processes splits its own ``prompts_per_step / ranks`` prompts, so that share has to split evenly."""
+    rollout = prompts_per_step * group_size
+    if rollout % number_of_minibatches:
+        raise ValueError(
+            f"model.optim.number_of_minibatches={number_of_minibatches} does not divide the rollout of "
+            f"data.prompts_per_step x model.group_size = {prompts_per_step} x {group_size} = {rollout} "
+            f"completions; choose one of {_divisors(rollout)}, or change prompts_per_step or group_size."
+        )
+    rows = prompts_per_step // ranks * group_size
+    if ranks > 1 and rows % number_of_minibatches:
+        raise ValueError(
+            f"model.optim.number_of_minibatches={number_of_minibatches} does not divide each rank's rollout of "
+            f"data.prompts_per_step / ranks x model.group_size = {prompts_per_step} / {ranks} x {group_size} = "
+            f"{rows} completions (each of the {ranks} processes splits its own share); choose one of "
+            f"{_divisors(rows)}."
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def warn_if_no_trust_region(updates_per_rollout: int, gate: RatioGate) -> None:
+    """Several updates per rollout without a ratio gate move the policy off-policy with nothing to hold it back."""
+    if updates_per_rollout > 1 and isinstance(gate, NoGate):
+        log.warning(
+            "%d optimiser updates per rollout (model.optim.number_of_minibatches x ppo_epochs) without a ratio "
+            "gate: later updates are off-policy and unclipped. Set model.knobs.use_ppo_clip: true (or an "
+            "algorithm with its own gate).",
+            updates_per_rollout,
+        )
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+
+
+def _column_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """The named parameters after ``(prompts, completions)``: the columns ``fn`` takes by name."""
+    parameters = _parameters(fn)
+    if parameters is None:
+        return None
+    first_two = [p for p in parameters if p.kind in _POSITIONAL][:2]
+    return [p for p in parameters if p.kind in _NAMED and p not in first_two]
+
+
+def check_module_arguments(policy, rewards, group_size, old_logprobs, export, knobs, mixer, tokenizer) -> None:
+    """What can be refused from the arguments alone, before any weights load (the rest: ``setup``)."""
+    if isinstance(policy, str):
+        check_pretrained_folder(policy, "model.policy", "model")
+    field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
+    if isinstance(path, str):
+        check_pretrained_folder(path, field, "tokenizer")
+    if not rewards:
+        raise ValueError("model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
+    for index, fn in enumerate(rewards):
+        check_reward_signature(fn, index)
+    weights = getattr(mixer, "weights", None)
+    if weights is not None and len(weights) != len(rewards):
+        raise ValueError(
+            f"model.mixer ({type(mixer).__name__}) has {len(weights)} weights for the {len(rewards)} functions "
+            "in model.rewards; give one weight per reward function, in the same order."
+        )
+    if group_size < 2:
+        raise ValueError(
+            f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
+            "set it to >= 2 (8 is usual)."
+        )
+    if knobs is not None and knobs.group_size not in (group_size, AlgorithmKnobs().group_size):
+        raise ValueError(
+            f"model.knobs.group_size={knobs.group_size} is not used: model.group_size={group_size} sets the "
+            f"group size. Set model.group_size: {knobs.group_size} and remove knobs.group_size."
+        )
+    if old_logprobs not in ("rollout", "batch"):
+        raise ValueError(f"model.ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
+    if export not in ("merged", "adapter", "none"):
+        raise ValueError(f"model.export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")

@@ -1,0 +1,144 @@
+"""LoRA training, the reference as the adapter switched off, held-out evaluation and the exported folder."""
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gpo.algo import KLPenalty
+from gpo.models.loading import LoraSettings, check_trainer_mode
+from gpo.models.scorer import completion_logprobs
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import Evaluation, GPOModule, Optimization
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = save_tiny_model(root / "model", "llama", seed=0)
+    data = write_jsonl(make_task("sort_digits", 500, seed=0), root / "train.jsonl")
+    return root, str(model), str(data)
+
+
+def fit(module, workspace, steps, tag, **trainer_kwargs):
+    root, model, data = workspace
+    trainer = L.Trainer(
+        max_steps=steps,
+        default_root_dir=root / tag,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4, val_size=8))
+    return trainer
+
+
+def sample_logp(model, ids):
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return completion_logprobs(model, ids, mask, 3)[0].logp
+
+
+def test_lora_trains_only_the_adapter_and_uses_it_as_reference_switch(workspace):
+    _, model, _ = workspace
+    module = GPOModule(
+        model,
+        [positional_match],
+        group_size=4,
+        engine=HFEngine(max_new_tokens=3),
+        optim=Optimization(lr=1e-2),
+        trainer_mode="lora",
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0),
+        kl=KLPenalty(beta=0.05),
+        export="adapter",
+    )
+    assert module.reference is None  # no second copy: the reference is the adapter switched off
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer = fit(module, workspace, 10, "lora", limit_val_batches=0)
+    changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert "kl/mean" in trainer.callback_metrics
+    # the adapter export loads on top of the base model and reproduces the trained policy
+    from peft import PeftModel
+
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), trainer.log_dir + "/export")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    torch.testing.assert_close(sample_logp(exported.get_base_model(), ids), sample_logp(module.model, ids))
+
+
+def test_full_run_exports_a_folder_transformers_loads_and_evaluates(workspace):
+    _, model, _ = workspace
+    module = GPOModule(
+        model,
+        [positional_match],
+        group_size=4,
+        engine=HFEngine(max_new_tokens=3),
+        optim=Optimization(lr=1e-3),
+        evaluation=Evaluation(samples=2, pass_threshold=0.5),
+    )
+    trainer = fit(module, workspace, 4, "full", val_check_interval=2)
+    logged = trainer.callback_metrics
+    for key in ("val/reward_greedy", "val/pass@1_greedy", "val/reward_sampled", "val/pass@1_sampled"):
+        assert key in logged and 0 <= float(logged[key]) <= 1
+    folder = trainer.log_dir + "/export"
+    exported, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.decode(tokenizer("12 3").input_ids) == "12 3"
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    torch.testing.assert_close(sample_logp(exported, ids), sample_logp(module.model, ids))
+
+
+def test_merged_lora_export_is_a_plain_model_folder(workspace, tmp_path):
+    from gpo.models.export import export_policy
+    from gpo.models.loading import load_policy
+
+    _, model, _ = workspace
+    policy = load_policy(model, dtype="float32", mode="lora", lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a non-zero adapter, so merging matters
+    folder = export_policy(policy, AutoTokenizer.from_pretrained(model), tmp_path / "merged", merge=True)
+    assert not (folder / "adapter_config.json").exists()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    merged = AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(
+        sample_logp(merged, ids), sample_logp(policy.get_base_model(), ids), atol=1e-5, rtol=1e-5
+    )
+    assert any("lora_" in n for n, _ in policy.named_parameters())  # the training model was left as it was
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_qlora_is_refused_on_cpu_with_the_alternative():
+    with pytest.raises(ValueError, match=r"trainer_mode='qlora' needs a CUDA GPU.*trainer_mode='lora'"):
+        check_trainer_mode("qlora")
+    with pytest.raises(ValueError, match="'full', 'lora' or 'qlora'"):
+        check_trainer_mode("adapter")
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, mode):
+    from gpo.cli import main
+
+    model = save_tiny_model(tmp_path / "model", "llama")
+    data = write_jsonl(make_task("sort_digits", 64), tmp_path / "train.jsonl")
+    lora = ["--model.trainer_mode=lora", "--model.lora.r=2", "--model.lora.dropout=0.0"] if mode == "lora" else []
+    run = ["--model.group_size=2", "--model.optim.lr=0.01", "--trainer.max_steps=3", f"--data.path={data}"]
+    where = [f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.enable_progress_bar=false"]
+    reward = '--model.rewards=[{"class_path": "gpo.rewards.LengthPenalty", "init_args": {"max_tokens": 2}}]'
+    main(["fit", f"--model.policy={model}", reward, *run, *where, *lora])  # lengths differ from step 1: it trains
+    version = tmp_path / "run" / "lightning_logs" / "version_0"
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*.ckpt")  # last.ckpt: the weights after the last step
+    main(["export", str(version / "config.yaml"), str(checkpoint), str(tmp_path / "exported")])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    at_end = AutoModelForCausalLM.from_pretrained(version / "export")  # written by the run itself
+    torch.testing.assert_close(sample_logp(exported, ids), sample_logp(at_end, ids))
+    trained = not torch.allclose(
+        sample_logp(exported, ids), sample_logp(AutoModelForCausalLM.from_pretrained(model), ids)
+    )
+    assert trained

@@ -1,0 +1,100 @@
+"""gpo.models.weights: full weights under checkpoint names; tied weights under both names; LoRA merged aside
+(equal to peft's merge, trained model untouched); FSDP2 (DTensor) and FSDP1 parameters gathered on a one-process
+gloo group."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpo.models.loading import LoraSettings, add_lora
+from gpo.models.weights import checkpoint_name, checkpoint_weights, full_parameters
+from gpo.testing import tiny_model
+from tests.ports import free_port
+
+
+@pytest.fixture
+def one_process_group():
+    """A default gloo process group of one process; an in-process vLLM engine of an earlier test already made one."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def assert_equal_weights(weights, expected):
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert type(weights[name]) is torch.Tensor and torch.equal(weights[name], tensor), name
+
+
+def test_full_weights_are_the_state_dict_with_tied_weights_under_both_names():
+    model = tiny_model()
+    weights = checkpoint_weights(model)
+    assert "lm_head.weight" in weights and "model.embed_tokens.weight" in weights
+    assert_equal_weights(weights, model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("model.layers.1.mlp.up_proj.base_layer.weight", "model.layers.1.mlp.up_proj.weight"),
+        ("_orig_mod.model.norm.weight", "model.norm.weight"),
+        ("lm_head.modules_to_save.default.weight", "lm_head.weight"),
+    ],
+)
+def test_checkpoint_name_removes_wrapper_segments(name, expected):
+    assert checkpoint_name(name) == expected
+
+
+def test_lora_weights_are_merged_aside_like_peft_merge_and_unload():
+    policy = add_lora(tiny_model(), LoraSettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():  # a trained adapter: B is zero at initialisation, which would merge to nothing
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    weights = checkpoint_weights(policy)
+    merged = copy.deepcopy(policy).merge_and_unload()
+    assert_equal_weights(weights, merged.state_dict())
+    assert not torch.equal(
+        weights["model.layers.0.self_attn.q_proj.weight"], tiny_model().model.layers[0].self_attn.q_proj.weight
+    )
+    assert all(torch.equal(before[name], tensor) for name, tensor in policy.state_dict().items())
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_fsdp2_dtensor_parameters_are_gathered():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert type(next(model.parameters())).__name__ == "DTensor"
+    assert_equal_weights(checkpoint_weights(model), expected)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_fsdp1_parameters_are_summoned_and_their_wrapper_names_removed():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = tiny_model()
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), device_id=torch.device("cpu")
+    )
+    assert any("_fsdp_wrapped_module" in name for name, _ in wrapped.named_parameters())
+    with full_parameters(wrapped):
+        weights = checkpoint_weights(wrapped.module)
+    assert_equal_weights(weights, expected)

@@ -1,0 +1,102 @@
+"""``gpo fit`` under Lightning's DDP strategy on CPU: 2 processes (gloo) train, checkpoint, and a run resumed from a
+checkpoint written mid-run ends bitwise like the run that was never stopped."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpo.tasks import make_task, write_jsonl
+from gpo.testing import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+# 20 prompts, 4 per step over 2 processes (2 each): 5 batches per epoch; 2 minibatches per batch, so 12 optimiser
+# steps are 6 batches and cross an epoch boundary. DynamicSampling draws extra prompt batches from each rank's
+# share, as many as that rank needs (so the ranks' counts differ and each must resume its own), and keeps global
+# totals; all of it is part of the checkpoint.
+CONFIG = """
+seed_everything: 3
+trainer:
+  accelerator: cpu
+  strategy: ddp
+  devices: 2
+  max_steps: 12
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  limit_val_batches: 0
+  callbacks:
+    - class_path: gpo.callbacks.ResumeCheckpoint
+      init_args: {{every_n_train_steps: 4, save_top_k: -1}}
+    - class_path: gpo.callbacks.DynamicSampling
+      init_args: {{max_rounds: 2}}
+model:
+  policy: {root}/model
+  rewards: [tests.parallel.ddp_step.even_digit_sum]
+  group_size: 4
+  knobs: {{use_ppo_clip: true}}
+  entropy: {{coef: 0.01}}
+  engine: {{class_path: gpo.rollout.HFEngine, init_args: {{max_new_tokens: 4}}}}
+  optim: {{lr: 1.0e-3, number_of_minibatches: 2}}
+  export: none
+data:
+  path: {root}/train.jsonl
+  prompts_per_step: 4
+"""
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ddp_fit")
+    save_tiny_model(root / "model", "llama", seed=0)
+    write_jsonl(make_task("sort_digits", 20, seed=0), root / "train.jsonl")
+    (root / "config.yaml").write_text(CONFIG.format(root=root))
+    return root / "config.yaml"
+
+
+def fit(config: Path, root: Path, *extra: str) -> dict:
+    """``gpo fit`` in a subprocess (Lightning starts the second rank); returns the last checkpoint."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "gpo.cli",
+        "fit",
+        f"--config={config}",
+        f"--trainer.default_root_dir={root}",
+        *extra,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load(root / "checkpoints/last.ckpt")
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_a_ddp_run_resumed_from_a_mid_run_checkpoint_ends_like_the_run_never_stopped(config, tmp_path):
+    whole = fit(config, tmp_path / "whole")
+    (tmp_path / "resumed/checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "whole/checkpoints/stepstep=4.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
+    drawn = [rank["extra_batches_drawn"] for rank in load(tmp_path / "resumed/checkpoints/last.ckpt")["gpo"]["ranks"]]
+    assert drawn[0] != drawn[1], drawn  # the ranks drew different numbers of extra batches before the checkpoint
+    resumed = fit(config, tmp_path / "resumed", "--ckpt_path=last")
+    assert whole["global_step"] == resumed["global_step"] == 12
+    assert whole["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] >= 1  # crossed an epoch
+    for name, tensor in whole["state_dict"].items():
+        assert torch.equal(tensor, resumed["state_dict"][name]), name
+    for key, state in whole["optimizer_states"][0]["state"].items():
+        assert all(torch.equal(state[k], resumed["optimizer_states"][0]["state"][key][k]) for k in state)
+    totals = [state for name, state in whole["callbacks"].items() if name.startswith("DynamicSampling")]
+    resumed_totals = [state for name, state in resumed["callbacks"].items() if name.startswith("DynamicSampling")]
+    assert totals == resumed_totals and totals[0]["groups_kept"] > 0

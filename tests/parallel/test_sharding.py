@@ -1,0 +1,87 @@
+"""What DDP relies on, checked in one process: each rank's share of an epoch, the fields checked against the number
+of processes, and the collectives that do nothing (and return their input) when torch.distributed is not set up."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpo.callbacks import DynamicSampling
+from gpo.parallel import collectives
+from gpo.train.data import EpochOrder, PromptDataModule
+from gpo.train.preflight import check_minibatches
+
+
+def share(size: int, rank: int, world_size: int, seed: int = 0) -> list[int]:
+    return list(EpochOrder(size, seed, rank=rank, world_size=world_size))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_ranks_batches_together_are_the_single_process_batch_and_so_are_their_minibatches(world_size):
+    size, prompts, minibatches = 24, 8, 2  # a global batch of 8 prompts: 8 / world_size per rank
+    single, per_rank = share(size, 0, 1), prompts // world_size
+    for b in range(size // prompts):
+        batches = [share(size, r, world_size)[b * per_rank : (b + 1) * per_rank] for r in range(world_size)]
+        assert sorted(row for batch in batches for row in batch) == sorted(single[b * prompts : (b + 1) * prompts])
+        for k in range(minibatches):  # minibatch k of each rank's share, together: the single process's minibatch k
+            parts = [torch.tensor(batch).chunk(minibatches)[k].tolist() for batch in batches]
+            first = b * prompts + k * prompts // minibatches
+            assert sorted(row for part in parts for row in part) == sorted(
+                single[first : first + prompts // minibatches]
+            )
+
+
+def test_an_epoch_that_does_not_divide_is_padded_by_its_first_rows_so_every_rank_has_as_many():
+    # 5 rows over 2 ranks: the permutation's first row is used twice, so each rank gets 3
+    order, shares = share(5, 0, 1), [share(5, r, 2) for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) == len(EpochOrder(5, 0, rank=1, world_size=2)) == 3
+    assert sorted(shares[0] + shares[1]) == sorted([*order, order[0]])
+
+
+def test_a_resumed_share_skips_the_rows_done_once_then_replays_whole_epochs():
+    sampler = EpochOrder(12, 3, rank=1, world_size=2)
+    sampler.resume(epoch=2, rows_done=4)
+    sampler.set_epoch(2)
+    whole = EpochOrder(12, 3, rank=1, world_size=2)
+    whole.set_epoch(2)
+    assert list(sampler) == list(whole)[4:] and list(sampler) == list(whole)
+
+
+def test_prompts_per_step_that_does_not_split_over_the_processes_is_refused_naming_the_fields(tmp_path):
+    data = PromptDataModule(str(tmp_path / "train.jsonl"), tokenizer="unused", prompts_per_step=4)
+    data.trainer = SimpleNamespace(world_size=3)
+    with pytest.raises(ValueError, match=r"data.prompts_per_step=4 is the global batch.*3 processes"):
+        data.setup("fit")
+
+
+def test_minibatches_that_do_not_divide_a_ranks_share_are_refused_with_the_valid_counts():
+    check_minibatches(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=1)  # 12 rows: fine
+    with pytest.raises(ValueError, match=r"number_of_minibatches=4 .* 4 / 2 x 3 = 6 .* \[1, 2, 3, 6\]"):
+        check_minibatches(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=2)
+
+
+def test_dynamic_sampling_num_groups_is_global_and_must_split_over_the_processes():
+    DynamicSampling(num_groups=4).setup(SimpleNamespace(world_size=2), None, "fit")
+    with pytest.raises(ValueError, match=r"num_groups=3 is global.*2 processes"):
+        DynamicSampling(num_groups=3).setup(SimpleNamespace(world_size=2), None, "fit")
+
+
+def test_without_a_process_group_every_collective_returns_its_input():
+    assert not collectives.is_distributed() and collectives.world_size() == 1 and collectives.rank() == 0
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    gathered, rows = collectives.gather_rows(x)
+    assert gathered is x and rows == slice(0, 3)
+    assert collectives.reduce_over_ranks(x, "sum") is x and collectives.ddp_normaliser(x) is x
+    metrics = {"loss": 1.5}
+    assert collectives.mean_over_ranks(metrics) is metrics and collectives.total_over_ranks(metrics) is metrics
+    assert collectives.gather_objects("a") == ["a"]
+    order = torch.arange(7)
+    assert [p.tolist() for p in collectives.split_rows(order, 3)] == [p.tolist() for p in order.chunk(3)]
+    assert collectives.every_rank_holds(1, 4) and not collectives.every_rank_holds(0, 1)
+
+
+def test_rank_metrics_combine_per_key_over_the_ranks_that_have_it():
+    per_rank = [{"loss": 1.0, "reward_errors/f": 2.0}, {"loss": 3.0}]
+    assert collectives.combine_metrics(per_rank, sum) == {"loss": 4.0, "reward_errors/f": 2.0}
+    mean = collectives.combine_metrics(per_rank, lambda values: sum(values) / len(values))
+    assert mean == {"loss": 2.0, "reward_errors/f": 2.0}

@@ -1,0 +1,73 @@
+import time
+
+import pytest
+import torch
+
+from gpo.algo import EnvEventOutcomeBlend
+from gpo.rewards import JudgeError, JudgeReward, env_reward
+from gpo.rewards.judge_app import make_app
+from tests.envs.servers import Faults, serve, with_faults
+
+FAST = {"timeout_s": 5.0, "attempts": 3, "backoff_s": 0.01}
+# Three episodes as MultiTurnEngine records them: (action, reward) per turn.
+EPISODES = [[("x", 0.0), ("4", 0.0), ("6", 1.0)], [("5", 0.0), ("zz", 0.0)], [("3", 1.0)]]
+TURNS = [[{"action": a, "observation": "", "reward": r, "info": {}} for a, r in episode] for episode in EPISODES]
+PROMPTS, COMPLETIONS = ["guess 1-8:"] * 3, ["", "", ""]
+
+
+@pytest.fixture
+def judge_url():
+    with serve(make_app()) as url:
+        yield url
+
+
+def test_event_and_outcome_scores_hand_worked(judge_url):
+    event = JudgeReward(judge_url=judge_url, kind="event", **FAST)
+    outcome = JudgeReward(judge_url=judge_url, kind="outcome", **FAST)
+    # events: 1 per action holding an integer, mean over the turns: 2/3, 1/2, 1
+    assert event(PROMPTS, COMPLETIONS, turns=TURNS) == pytest.approx([2 / 3, 1 / 2, 1.0])
+    # outcome: 1 when the last turn earned a reward
+    assert outcome(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]
+    assert event.name == "judge_event" and outcome.name == "judge_outcome"
+
+
+def test_env_event_outcome_blend_hand_worked(judge_url):
+    env_return = [sum(r for _, r in episode) for episode in EPISODES]  # 1, 0, 1
+    columns = [
+        env_reward(PROMPTS, COMPLETIONS, env_return=env_return),
+        JudgeReward(judge_url=judge_url, kind="event", **FAST)(PROMPTS, COMPLETIONS, turns=TURNS),
+        JudgeReward(judge_url=judge_url, kind="outcome", **FAST)(PROMPTS, COMPLETIONS, turns=TURNS),
+    ]
+    scores = torch.tensor(columns).T  # [B, 3]: env, event, outcome
+    reward = EnvEventOutcomeBlend(env=1.0, event=0.5, outcome=2.0)(scores, torch.tensor([0, 0, 0]))
+    # row 0: 1 + .5 * 2/3 + 2 * 1 = 10/3; row 1: 0 + .5 * .5 + 0 = .25; row 2: 1 + .5 + 2 = 3.5
+    torch.testing.assert_close(reward, torch.tensor([10 / 3, 0.25, 3.5]))
+
+
+def test_max_concurrency_bounds_requests_in_flight():
+    faults = Faults(where="/score", delay_s=0.05)
+    with serve(with_faults(make_app(), faults)) as url:
+        judge = JudgeReward(judge_url=url, kind="event", max_concurrency=2, **FAST)
+        judge(PROMPTS * 2, COMPLETIONS * 2, turns=TURNS * 2)  # 12 events
+    assert faults.count("POST", "/score") == 12 and faults.max_in_flight == 2
+
+
+def test_500s_are_retried_then_a_timeout_is_a_clear_error():
+    faults = Faults(where="/score", fail_first=2)
+    with serve(with_faults(make_app(), faults)) as url:
+        assert JudgeReward(judge_url=url, **FAST)(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]
+    assert faults.count("POST", "/score") == 3 * 3
+    slow = Faults(where="/score", delay_s=2.0)
+    with serve(with_faults(make_app(), slow)) as url:
+        judge = JudgeReward(judge_url=url, timeout_s=0.2, attempts=2, backoff_s=0.01)
+        started = time.perf_counter()
+        with pytest.raises(JudgeError, match=rf"judge_url={url} .*failed after 2 attempt\(s\).*timeout_s=0.2"):
+            judge(PROMPTS, COMPLETIONS, turns=TURNS)
+        assert time.perf_counter() - started < 1.5
+
+
+def test_without_turns_the_judge_says_which_engine_it_needs():
+    with pytest.raises(ValueError, match="MultiTurnEngine"):
+        JudgeReward(judge_url="http://127.0.0.1:1")(PROMPTS, COMPLETIONS)
+    with pytest.raises(ValueError, match="'event' or 'outcome'"):
+        JudgeReward(judge_url="http://127.0.0.1:1", kind="episode")

@@ -1,0 +1,107 @@
+import json
+
+import pandas as pd
+import pytest
+
+from gpo.testing import save_tiny_model
+from gpo.train.data import PromptDataModule, load_records
+
+ROWS = [{"prompt": "12=", "answer": "12", "level": 1}, {"prompt": "31=", "answer": "13", "level": 2}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tok") / "model"))
+
+
+def write(tmp_path, kind, rows=ROWS):
+    path = tmp_path / f"prompts.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    elif kind == "parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    else:  # a saved datasets folder with a train split
+        import datasets
+
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "saved"])
+def test_every_local_format_loads_with_its_columns(tmp_path, kind):
+    records = load_records(write(tmp_path, kind))
+    assert [r["prompt"] for r in records] == ["12=", "31="]
+    assert [str(r["answer"]) for r in records] == ["12", "13"]
+
+
+def test_batches_carry_token_ids_texts_and_extra_columns(tmp_path, tokenizer_path):
+    data = PromptDataModule(str(write(tmp_path, "jsonl")), tokenizer=tokenizer_path, prompts_per_step=2)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert sorted(batch["prompt"]) == ["12=", "31="]
+    assert set(batch["fields"]) == {"answer", "level"}
+    for text, ids in zip(batch["prompt"], batch["prompt_ids"], strict=True):
+        assert len(ids) == len(text)  # one token per character with the tiny tokenizer
+
+
+def test_validation_split_is_held_out_and_reproducible(tmp_path, tokenizer_path):
+    rows = [{"prompt": f"{i:03d}=", "answer": str(i)} for i in range(20)]
+    path = str(write(tmp_path, "jsonl", rows))
+    first = PromptDataModule(path, tokenizer=tokenizer_path, val_size=5, seed=3)
+    second = PromptDataModule(path, tokenizer=tokenizer_path, val_size=5, seed=3)
+    first.setup("fit"), second.setup("fit")
+    val = {r["prompt"] for r in first.val_rows}
+    assert len(val) == 5 and not val & {r["prompt"] for r in first.train_rows}
+    assert val == {r["prompt"] for r in second.val_rows}
+
+
+def test_chat_template_is_applied_when_the_tokenizer_has_one(tmp_path, tokenizer_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}!{% endif %}"
+    )
+    templated = tmp_path / "templated"
+    tok.save_pretrained(templated)
+    data = PromptDataModule(str(write(tmp_path, "jsonl")), tokenizer=str(templated))
+    data.setup("fit")
+    assert tok.decode(data.train_rows[0]["prompt_ids"]) in ("<12=>!", "<31=>!")
+    plain = PromptDataModule(str(write(tmp_path, "jsonl")), tokenizer=str(templated), chat_template=False)
+    plain.setup("fit")
+    assert tok.decode(plain.train_rows[0]["prompt_ids"]) in ("12=", "31=")
+
+
+def test_long_prompts_are_refused_or_truncated_never_silently(tmp_path, tokenizer_path, caplog):
+    path = str(write(tmp_path, "jsonl", [{"prompt": "x" * 10}, {"prompt": "short"}]))
+    with pytest.raises(ValueError, match="row 0: the prompt is 10 tokens, over max_prompt_length=6"):
+        PromptDataModule(path, tokenizer=tokenizer_path, max_prompt_length=6).setup("fit")
+    data = PromptDataModule(path, tokenizer=tokenizer_path, max_prompt_length=6, long_prompts="truncate")
+    data.setup("fit")
+    assert len(data.train_rows[0]["prompt_ids"]) == 6
+    assert "1 prompts longer than 6 tokens were truncated" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("rows", "kwargs", "message"),
+    [
+        ([], {}, "has no rows"),
+        ([{"question": "a"}], {}, "no column 'prompt' \\(prompt_column\\); its columns are: question"),
+        ([{"prompt": "a"}], {"val_size": 1}, "val_size=1 leaves no training rows"),
+    ],
+)
+def test_bad_data_fails_with_the_field_and_the_fix(tmp_path, tokenizer_path, rows, kwargs, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=message):
+        PromptDataModule(str(path), tokenizer=tokenizer_path, **kwargs).setup("fit")
+
+
+def test_missing_file_and_unknown_type(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_records(tmp_path / "nope.jsonl")
+    (tmp_path / "prompts.txt").write_text("hi")
+    with pytest.raises(ValueError, match=r"unknown file type '\.txt'"):
+        load_records(tmp_path / "prompts.txt")

@@ -1,0 +1,311 @@
+"""Every bad configuration fails before any sampling, with a message that names the field and the fix.
+
+Each case is one override on top of a good tiny config, run through ``gpo fit`` (or the Python API where a case
+needs a Python object); ``HFEngine.generate`` is made to fail the test if it is ever reached.
+"""
+
+import json
+from dataclasses import dataclass
+
+import lightning as L
+import pytest
+import yaml
+
+from gpo.cli import main
+from gpo.rewards import positional_match
+from gpo.rollout import HFEngine
+from gpo.testing import char_tokenizer, save_tiny_model, tiny_model
+from gpo.train.data import PromptDataModule
+from gpo.train.module import GPOModule
+
+CONTEXT = 256  # max_position_embeddings of gpo.testing's tiny models
+
+
+@dataclass(frozen=True)
+class Bad:
+    """An override, the error it must raise, and two pieces of its message: the field and the fix."""
+
+    args: tuple[str, ...]
+    error: type[BaseException]
+    field: str
+    fix: str
+
+
+def bad(case_id: str, *args: str, error: type[BaseException] = ValueError, field: str, fix: str):
+    return pytest.param(Bad(args, error, field, fix), id=case_id)
+
+
+def rows(*prompts, **columns):
+    return [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
+
+
+def tokenizer_without_pad_or_eos():
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.eos_token = None, None
+    return tokenizer
+
+
+def tokenizer_larger_than_the_embedding():
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens(["<extra_0>", "<extra_1>"])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_configs")
+    save_tiny_model(root / "model")
+    tiny_model().save_pretrained(root / "bare")  # a model folder without tokenizer files
+    tokenizer_without_pad_or_eos().save_pretrained(root / "no_pad_eos")
+    files = {
+        "train": rows("312=", "51=", "907=", "24=", answer=["123", "15", "079", "24"]),
+        "no_answer": rows("312=", "51=", x=[1, 2]),
+        "long": rows("9" * 300, answer=["9"]),
+        "empty": [],
+        "null_prompt": rows("12=", None, answer=["12", "0"]),
+        "question": [{"question": "12=", "answer": "12"}],
+    }
+    for name, records in files.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    good = {
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 1,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        },
+        "model": {
+            "policy": str(root / "model"),
+            "rewards": ["gpo.rewards.positional_match"],
+            "group_size": 2,
+            "export": "none",
+            "engine": {"class_path": "gpo.rollout.HFEngine", "init_args": {"max_new_tokens": 4}},
+        },
+        "data": {"path": str(root / "train.jsonl"), "prompts_per_step": 2},
+    }
+    (root / "good.yaml").write_text(yaml.safe_dump(good))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def no_sampling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("HFEngine.generate ran: the configuration was not refused before sampling")
+
+    monkeypatch.setattr(HFEngine, "generate", refuse)
+
+
+def fit(root, *args: str) -> None:
+    main(["fit", f"--config={root / 'good.yaml'}", *(arg.format(root=root) for arg in args)])
+
+
+def test_the_good_config_reaches_sampling(root):
+    # Without an override the run gets as far as the first generate call, which the fixture refuses: every failure
+    # below is caused by its override, and happens before sampling.
+    with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):
+        fit(root)
+
+
+def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):
+    with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # a warning, not an error: the run starts
+        fit(root, "--model.optim.number_of_minibatches=2")
+    assert "2 optimiser updates per rollout" in caplog.text and "model.knobs.use_ppo_clip: true" in caplog.text
+
+
+def test_a_policy_that_is_neither_a_folder_nor_a_hub_model(root, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once instead of retrying
+    with pytest.raises(FileNotFoundError) as raised:
+        fit(root, "--model.policy=no_such_model")  # could be a hub id, so transformers is asked first
+    message = str(raised.value)
+    assert "model.policy='no_such_model' is not a local folder" in message, message
+    assert "point it at a folder written by save_pretrained" in message, message
+
+
+CLI_CASES = [
+    # ---- impossible numbers -----------------------------------------------------------------------------------
+    bad("group_size_1", "--model.group_size=1", field="model.group_size=1", fix="set it to >= 2"),
+    bad("group_size_0", "--model.group_size=0", field="model.group_size=0", fix="set it to >= 2"),
+    bad("knobs_group_size_unused", "--model.knobs.group_size=4", field="model.knobs.group_size=4",
+        fix="Set model.group_size: 4"),
+    bad("max_new_tokens_0", "--model.engine.init_args.max_new_tokens=0",
+        field="model.engine.init_args.max_new_tokens=0", fix="must be >= 1"),
+    bad("max_new_tokens_negative", "--model.engine.init_args.max_new_tokens=-8",
+        field="model.engine.init_args.max_new_tokens=-8", fix="must be >= 1"),
+    bad("temperature_0", "--model.engine.init_args.temperature=0", field="model.engine.init_args.temperature=0",
+        fix="must be > 0"),
+    bad("top_p_0", "--model.engine.init_args.top_p=0", field="model.engine.init_args.top_p=0", fix="(0, 1]"),
+    bad("top_p_above_1", "--model.engine.init_args.top_p=1.5", field="model.engine.init_args.top_p=1.5",
+        fix="(0, 1]"),
+    bad("top_k_negative", "--model.engine.init_args.top_k=-1", field="model.engine.init_args.top_k=-1",
+        fix="must be >= 0"),
+    bad("engine_batch_size_0", "--model.engine.init_args.batch_size=0", field="model.engine.init_args.batch_size=0",
+        fix="null to generate in one call"),
+    bad("max_prompt_length_0", "--data.max_prompt_length=0", field="data.max_prompt_length=0", fix="must be >= 1"),
+    bad("prompts_per_step_0", "--data.prompts_per_step=0", field="data.prompts_per_step=0", fix="must be >= 1"),
+    bad("val_size_negative", "--data.val_size=-1", field="data.val_size=-1", fix="must be >= 0"),
+    bad("val_size_takes_every_row", "--data.val_size=4", field="data.val_size=4", fix="hold out fewer"),
+    bad("lr_0", "--model.optim.lr=0", field="model.optim.lr=0", fix="must be > 0"),
+    bad("lr_negative", "--model.optim.lr=-1e-5", field="model.optim.lr=-1e-05", fix="must be > 0"),
+    bad("weight_decay_negative", "--model.optim.weight_decay=-0.1", field="model.optim.weight_decay=-0.1",
+        fix="must be >= 0"),
+    bad("max_grad_norm_0", "--model.optim.max_grad_norm=0", field="model.optim.max_grad_norm=0",
+        fix="set it to null to not clip"),
+    bad("number_of_minibatches_0", "--model.optim.number_of_minibatches=0",
+        field="model.optim.number_of_minibatches=0", fix="must be >= 1"),
+    bad("number_of_minibatches_not_a_divisor", "--model.optim.number_of_minibatches=3",
+        field="model.optim.number_of_minibatches=3", fix="choose one of [1, 2, 4]"),
+    bad("ppo_epochs_0", "--model.optim.ppo_epochs=0", field="model.optim.ppo_epochs=0", fix="must be >= 1"),
+    bad("micro_batch_size_0", "--model.optim.micro_batch_size=0", field="model.optim.micro_batch_size=0",
+        fix="must be >= 1, or null"),
+    bad("eval_samples_0", "--model.evaluation.samples=0", field="model.evaluation.samples=0", fix="must be >= 1"),
+    bad("kl_beta_negative", "--model.kl.beta=-0.1", field="beta=-0.1", fix="must be >= 0"),
+    bad("entropy_coef_negative", "--model.entropy.coef=-0.01", field="coef=-0.01", fix="must be >= 0"),
+    bad("lora_r_0", "--model.trainer_mode=lora", "--model.lora.r=0", field="model.lora.r=0", fix="must be >= 1"),
+    bad("lora_alpha_0", "--model.trainer_mode=lora", "--model.lora.alpha=0", field="model.lora.alpha=0",
+        fix="must be > 0"),
+    bad("lora_dropout_1", "--model.trainer_mode=lora", "--model.lora.dropout=1.0", field="model.lora.dropout=1.0",
+        fix="[0, 1)"),
+    bad("mixer_weights_count", "--model.mixer=gpo.algo.WeightedSum", "--model.mixer.weights=[1.0, 0.5]",
+        field="model.mixer (WeightedSum) has 2 weights", fix="give one weight per reward function"),
+    bad("no_rewards", "--model.rewards=[]", field="model.rewards is empty", fix="give at least one reward function"),
+    # ---- the seeds' compatibility rules and knob ranges ---------------------------------------------------------
+    bad("unknown_algorithm", "--model.algorithm=ppo", field="algorithm='ppo'", fix="choose one of grpo, rloo"),
+    bad("rloo_batch_norm", "--model.algorithm=rloo", "--model.knobs.advantage_norm=batch",
+        field="advantage_norm", fix="Set advantage_norm='group'"),
+    *(
+        bad(f"ppo_clip_on_{name}", f"--model.algorithm={name}", "--model.knobs.use_ppo_clip=true",
+            field=f"use_ppo_clip=True is not compatible with algorithm='{name}'", fix="Remove use_ppo_clip")
+        for name in ("cispo", "gspo", "sapo")
+    ),
+    bad("clip_low_without_ppo_clip", "--model.knobs.clip_low=0.3", field="clip_low=0.3 has no effect",
+        fix="use_ppo_clip=True on grpo"),
+    bad("clip_range_on_sapo", "--model.algorithm=sapo", "--model.knobs.clip_high=0.3",
+        field="clip_high=0.3 has no effect with algorithm='sapo'", fix="Remove clip_high"),
+    bad("advantage_norm_on_dr_grpo", "--model.algorithm=dr_grpo", "--model.knobs.advantage_norm=batch",
+        field="advantage_norm='batch' has no effect", fix="Remove advantage_norm"),
+    bad("sapo_tau_on_grpo", "--model.knobs.sapo_tau_pos=2.0", field="sapo_tau_pos=2.0 has no effect",
+        fix="read by sapo"),
+    bad("clip_low_negative", "--model.knobs.use_ppo_clip=true", "--model.knobs.clip_low=-0.1",
+        field="clip_low=-0.1", fix="must be >= 0"),
+    bad("clip_low_above_1", "--model.algorithm=cispo", "--model.knobs.clip_low=1.5", field="clip_low=1.5",
+        fix="use a value in [0, 1]"),
+    bad("dual_clip_below_1", "--model.algorithm=dapo", "--model.knobs.dual_clip=0.5", field="dual_clip=0.5",
+        fix="must be > 1"),
+    bad("sapo_tau_0", "--model.algorithm=sapo", "--model.knobs.sapo_tau_neg=0", field="tau_neg=0",
+        fix="must be > 0"),
+    # ---- paths, tokenizer and data ------------------------------------------------------------------------------
+    bad("missing_model_path", "--model.policy={root}/no_such_model", error=FileNotFoundError,
+        field="model.policy='{root}/no_such_model': no such folder", fix="written by save_pretrained"),
+    bad("model_path_without_config", "--model.policy={root}", error=FileNotFoundError,
+        field="model.policy='{root}' has no config.json",
+        fix="point model.policy at the folder written by model.save_pretrained"),
+    bad("model_folder_without_tokenizer", "--model.policy={root}/bare", error=FileNotFoundError,
+        field="model.policy='{root}/bare' holds no tokenizer files", fix="tokenizer.save_pretrained"),
+    bad("tokenizer_without_pad_or_eos", "--model.tokenizer={root}/no_pad_eos", field="model.tokenizer",
+        fix="Add a pad_token or eos_token to the tokenizer"),
+    bad("missing_data_file", "--data.path={root}/no_such.jsonl", error=FileNotFoundError,
+        field="data.path: data path '{root}/no_such.jsonl' does not exist", fix="give a .jsonl/.json/.parquet/.csv"),
+    bad("empty_train_set", "--data.path={root}/empty.jsonl", field="data.path='{root}/empty.jsonl' has no rows",
+        fix="point data.path at a file with at least one prompt"),
+    bad("empty_val_set", "--data.val_path={root}/empty.jsonl", field="data.val_path='{root}/empty.jsonl' has no rows",
+        fix="point data.val_path at a file with at least one prompt"),
+    bad("no_prompt_column", "--data.path={root}/question.jsonl", field="has no column 'prompt' (prompt_column)",
+        fix="Set data.prompt_column"),
+    bad("prompt_not_text", "--data.path={root}/null_prompt.jsonl", field="row 1: column 'prompt'",
+        fix="give every row a prompt string"),
+    bad("reward_column_missing", "--model.rewards=[gpo.rewards.exact_match]", "--data.path={root}/no_answer.jsonl",
+        field="the reward exact_match needs column(s) ['answer']", fix="has ['prompt', 'x']"),
+    bad("reward_column_missing_in_val_set", "--data.val_path={root}/no_answer.jsonl",
+        field="positional_match needs column(s) ['answer']; data.val_path='{root}/no_answer.jsonl' has",
+        fix="Add the column to the dataset"),
+    bad("prompt_over_max_prompt_length", "--data.path={root}/long.jsonl", "--data.max_prompt_length=100",
+        field="the prompt is 300 tokens, over max_prompt_length=100", fix="data.long_prompts: truncate"),
+    bad("prompt_plus_budget_over_context", "--data.path={root}/long.jsonl",
+        field="model.engine.init_args.max_new_tokens=4", fix=f"data.max_prompt_length: {CONTEXT - 4}"),
+    bad("budget_fills_the_context", f"--model.engine.init_args.max_new_tokens={CONTEXT}",
+        field=f"model.engine.init_args.max_new_tokens={CONTEXT}", fix=f"set max_new_tokens below {CONTEXT}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_bad_config_fails_before_sampling_naming_field_and_fix(root, case):
+    with pytest.raises(case.error) as raised:
+        fit(root, *case.args)
+    message = str(raised.value)
+    assert case.field.format(root=root) in message, message
+    assert case.fix in message, message
+
+
+@pytest.mark.parametrize(
+    ("arg", "choices"),
+    [
+        pytest.param("--model.trainer_mode=adapter", "'full', 'lora', 'qlora'", id="trainer_mode"),
+        pytest.param("--model.export=zip", "'merged', 'adapter', 'none'", id="export"),
+        pytest.param("--model.ppo_clip_ref_logprobs=vllm", "'rollout', 'batch'", id="ppo_clip_ref_logprobs"),
+        pytest.param("--model.dtype=float8", "'float32', 'bfloat16', 'float16'", id="dtype"),
+        pytest.param("--data.long_prompts=drop", "'error', 'truncate'", id="long_prompts"),
+    ],
+)
+def test_a_value_outside_a_fixed_set_is_refused_by_the_parser_with_the_choices(root, capsys, arg, choices):
+    with pytest.raises(SystemExit):
+        fit(root, arg)
+    err = capsys.readouterr().err
+    assert f'Parser key "{arg[2:].split("=")[0]}"' in err and choices in err, err
+
+
+# ---- cases that need Python objects: reward functions, loaded tokenizers ---------------------------------------
+
+
+def needs_solution(prompts, completions, solution, **columns):
+    return [float(c == s) for c, s in zip(completions, solution, strict=True)]
+
+
+def no_kwargs(prompts, completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def python_fit(root, **module_kwargs) -> None:
+    defaults = {"policy": str(root / "model"), "rewards": [positional_match], "group_size": 2, "export": "none"}
+    module = GPOModule(**{**defaults, "engine": HFEngine(max_new_tokens=4), **module_kwargs})
+    data = PromptDataModule(str(root / "train.jsonl"), tokenizer=str(root / "model"), prompts_per_step=2)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(module, data)
+
+
+def py(case_id: str, arguments, *, error: type[BaseException] = ValueError, field: str, fix: str):
+    """A Python-API case: ``arguments()`` gives the GPOModule keyword arguments that override the good ones."""
+    return pytest.param(arguments, Bad((), error, field, fix), id=case_id)
+
+
+PYTHON_CASES = [
+    py("reward_not_callable", lambda: {"rewards": ["exact_match"]}, error=TypeError,
+       field="model.rewards[0]='exact_match'", fix="give a function (prompts, completions, **columns)"),
+    py("reward_with_one_positional_parameter", lambda: {"rewards": [lambda completions, **_: [0.0]]},
+       error=TypeError, field="model.rewards[0] (<lambda>)", fix="give it (prompts, completions, **kwargs) first"),
+    py("reward_missing_its_keyword_column", lambda: {"rewards": [needs_solution]},
+       field="the reward needs_solution needs column(s) ['solution']", fix="Add the column to the dataset"),
+    py("reward_without_kwargs", lambda: {"rewards": [no_kwargs]},
+       field="the reward no_kwargs is called with column(s) ['completion_ids']",
+       fix="add **kwargs to its parameters"),
+    py("loaded_tokenizer_without_pad_or_eos",
+       lambda: {"policy": tiny_model(), "tokenizer": tokenizer_without_pad_or_eos()},
+       field="has neither a pad token nor an EOS token", fix="Add a pad_token or eos_token to the tokenizer"),
+    py("tokenizer_larger_than_the_embedding",
+       lambda: {"policy": tiny_model(), "tokenizer": tokenizer_larger_than_the_embedding()},
+       field="has 100 tokens but model.policy's input embedding has 98 rows", fix="resize_token_embeddings"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arguments", "case"), PYTHON_CASES)
+def test_bad_python_arguments_fail_before_sampling_naming_field_and_fix(root, arguments, case):
+    with pytest.raises(case.error) as raised:
+        python_fit(root, **arguments())
+    message = str(raised.value)
+    assert case.field in message, message
+    assert case.fix in message, message
