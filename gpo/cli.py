@@ -105,6 +105,7 @@ def plot_curves(argv: list[str]) -> None:
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
     from gpo.models.export import export_checkpoint
+    from gpo.train.checkpointing import CheckpointError
 
     parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
     parser.add_argument("config", help="the run's saved config.yaml")
@@ -115,7 +116,7 @@ def export_checkpoint_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, CheckpointError) as err:
         parser.exit(2, f"gpo export: error: {err}\n")
     print(f"wrote {out}")
 

@@ -50,11 +50,11 @@ def export_checkpoint(
     ``config`` is the run's saved ``config.yaml`` (it says which base model, trainer mode and LoRA settings
     to rebuild); ``policy`` overrides its ``model.policy`` path, e.g. when the run was started elsewhere.
     """
-    import torch
     import yaml
     from transformers import AutoTokenizer
 
     from gpo.models.loading import LoraSettings, load_policy
+    from gpo.train.checkpointing import load_checkpoint_file
 
     settings = yaml.safe_load(Path(config).read_text())["model"]
     path = policy or settings["policy"]
@@ -64,7 +64,7 @@ def export_checkpoint(
     model = load_policy(
         path, dtype=settings.get("dtype", "float32"), mode=settings.get("trainer_mode", "full"), lora=lora
     )
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = load_checkpoint_file(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     weights = {key.removeprefix("policy."): value for key, value in state.items() if key.startswith("policy.")}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:

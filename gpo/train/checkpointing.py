@@ -67,7 +67,11 @@ def load_checkpoint_file(
         raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
         if "Weights only load failed" in str(error):
-            raise  # a whole file holding objects torch will not unpickle by default: torch's message says what to do
+            raise CheckpointError(
+                f"checkpoint {path} holds pickled objects other than tensors and plain values, and was not loaded: "
+                "gpo loads checkpoints with torch.load(weights_only=True), so no code stored in a file can run. "
+                "Checkpoints written by gpo never need more; a file that does was made elsewhere or altered."
+            ) from error
         others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
         hint = f"Resume from another checkpoint of {path.parent} ({', '.join(others)})" if others else "Start over"
         raise CheckpointError(

@@ -142,3 +142,29 @@ def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, 
         sample_logp(exported, ids), sample_logp(AutoModelForCausalLM.from_pretrained(model), ids)
     )
     assert trained
+
+
+class RunsCode:
+    """Unpickling it would write a file: what a malicious checkpoint does with a shell command instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_export_refuses_a_checkpoint_that_carries_code(tmp_path, capsys):
+    from gpo.cli import main
+
+    model = save_tiny_model(tmp_path / "model", "llama")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {model}\n")
+    marker = tmp_path / "code_ran"
+    torch.save({"state_dict": {}, "payload": RunsCode(marker)}, tmp_path / "shared.ckpt")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(config), str(tmp_path / "shared.ckpt"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert not marker.exists()  # nothing from the file ran
+    assert "holds pickled objects other than tensors" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
