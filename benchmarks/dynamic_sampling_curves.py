@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from 
 
 from gpo.algo import EntropyBonus
 from gpo.callbacks.dynamic_sampling import DynamicSampling
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
@@ -116,8 +116,8 @@ def run(args, paths, eval_batch, seed: int, mode: str, token_budget: int | None 
     model, train = paths
     L.seed_everything(seed, verbose=False)
     module = GPOModule(
-        model, [first_digit], group_size=args.group_size, engine=HFEngine(max_new_tokens=args.max_new_tokens),
-        optim=Optimization(lr=args.lr), ppo_clip_ref_logprobs="batch", export="none", seed=seed,
+        model, [first_digit], group_size=args.group_size, optim=Optimization(lr=args.lr), old_logprobs="trainer",
+        engine=HFEngine(sampling=Sampling(max_new_tokens=args.max_new_tokens)), seed=seed,
         entropy=EntropyBonus(coef=args.entropy) if args.entropy else None,
     )  # fmt: skip
     max_batches = 10**9 if token_budget else args.max_batches or 4 * args.steps

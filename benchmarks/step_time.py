@@ -4,7 +4,7 @@ Workload (all sizes are flags): a tiny random llama built locally by ``gpo.testi
 4 layers, character vocabulary), ``sort_digits`` prompts from ``gpo.tasks``, ``prompts_per_step`` prompts x
 ``group_size`` completions per step, ``max_new_tokens`` sampled at temperature 1 (no top-p/top-k), the ``grpo``
 preset with one optimiser step per rollout batch and old log-probs recomputed by the trainer
-(``ppo_clip_ref_logprobs="batch"``: on-policy, so they are the current ones, detached), AdamW, float32, the
+(``old_logprobs="trainer"``: on-policy, so they are the current ones, detached), AdamW, float32, the
 ``positional_match`` reward. A Lightning ``Trainer`` (logger, checkpoints and progress bar off) runs
 ``warmup + steps`` steps; the ``steps`` after the warm-up are measured.
 
@@ -12,7 +12,8 @@ Measured per step:
 
 * ``rollout``, ``scoring``, ``training``: the split ``GPOModule`` logs itself (``time/rollout_s``, ...).
   Inside the rollout, ``generate`` and the sampler's log-prob pass (run only when the trainer reads rollout
-  log-probs; not in this workload) are timed separately by wrapping the ``HFEngine`` instance's methods.
+  log-probs; not in this workload) are timed separately by wrapping the ``HFEngine`` instance's sampling method
+  and its scorer.
 * ``step``: wall time from the end of one training batch to the end of the next, so Lightning's loop, data
   loading and logging are included.
 * rollout tokens/s: generated completion tokens (up to and including EOS) per second of rollout time.
@@ -56,16 +57,19 @@ import torch
 import transformers
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
 
 from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.train.hooks import RolloutCallback
+from gpo.train.module import GPOModule
+from gpo.train.optimization import Optimization
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Step:
 
     @property
     def train_inputs(self) -> tuple[Tensor, Tensor, int]:
-        """``ids``, ``attention_mask`` and completion width exactly as ``GPOModule._micro_loss`` builds them."""
+        """``ids``, ``attention_mask`` and completion width exactly as ``Learner._micro_loss`` builds them."""
         width = int(self.completion_mask.sum(-1).max().clamp_min(1))
         ids = torch.cat([self.prompt_ids, self.completion_ids[:, :width]], 1)
         mask = torch.cat([self.prompt_mask, self.completion_mask[:, :width]], 1)
@@ -146,7 +150,7 @@ class BareWork:
         return time.perf_counter() - started
 
 
-class StepRecorder(L.Callback):
+class StepRecorder(RolloutCallback):
     """Collects a ``Step`` per training batch and, between gpo's steps, replays it with the bare work.
 
     Interleaving puts gpo and the bare work under the same machine load. With ``profile`` the steps after the
@@ -159,9 +163,9 @@ class StepRecorder(L.Callback):
         self.profiler = cProfile.Profile() if profile else None
         self.last_end: float | None = None
         self.rollout = None
+        self.engine = engine
         self.engine_times = {"generate": 0.0, "sampler_logp": 0.0}
-        for method, key in (("_sample", "generate"), ("_logprobs", "sampler_logp")):
-            setattr(engine, method, self._timed(getattr(engine, method), key))
+        engine._sample = self._timed(engine._sample, "generate")
 
     def _timed(self, fn, key):
         def wrapper(*args, **kwargs):
@@ -173,14 +177,22 @@ class StepRecorder(L.Callback):
 
         return wrapper
 
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        scorer = self.engine.scorer  # the engine's own, built at setup: it scores only the sampler's log-probs
+        scorer.policy_logp = self._timed(scorer.policy_logp, "sampler_logp")
+
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.engine_times = dict.fromkeys(self.engine_times, 0.0)
         if self.profiler is not None and batch_idx == self.warmup:
             self.profiler.enable()
 
+    @override
     def on_rollout_end(self, trainer, pl_module, rollout) -> None:  # called by GPOModule after scoring
         self.rollout = rollout
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         logged, r = trainer.callback_metrics, self.rollout
@@ -214,7 +226,7 @@ def make_workspace(root: Path, args: argparse.Namespace) -> tuple[str, str]:
 def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespace) -> list[Step]:
     """``warmup + steps`` GPOModule training steps; returns the measured ones."""
     L.seed_everything(args.seed, verbose=False)
-    engine = HFEngine(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    engine = HFEngine(sampling=Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens))
     module = GPOModule(
         model_path,
         [positional_match],
@@ -222,7 +234,7 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         engine=engine,
         group_size=args.group_size,
         optim=Optimization(lr=args.lr),
-        ppo_clip_ref_logprobs="batch",  # on-policy: old log-probs = the current ones, detached (as TRL does)
+        old_logprobs="trainer",  # on-policy: old log-probs = the current ones, detached (as TRL does)
         seed=args.seed,
     )
     profile = args.profile is not None

@@ -1,7 +1,8 @@
 """gpo.callbacks: Lightning callbacks for group-based RL, usable from any LightningModule that provides what each
 callback's docstring asks for.
 
-Besides Lightning's hooks, gpo's trainer calls two extra ones on every callback that defines them:
+Besides Lightning's hooks, ``gpo.train.hooks.RolloutCallback`` declares two that gpo's trainer runs (and any
+LightningModule can run with ``run_prompt_hooks`` / ``run_rollout_hooks``):
 
 - ``on_prompts(trainer, module, batch) -> batch | None``: before sampling; return a filtered batch of prompts.
 - ``on_rollout_end(trainer, module, rollout) -> rollout | None``: after scoring, before advantages and training;
@@ -11,6 +12,7 @@ Besides Lightning's hooks, gpo's trainer calls two extra ones on every callback 
 from gpo.callbacks.completion_samples import CompletionSamples
 from gpo.callbacks.difficulty_filter import DifficultyFilter
 from gpo.callbacks.dynamic_sampling import DynamicSampling
+from gpo.callbacks.export_policy import ExportPolicy
 from gpo.callbacks.resume_checkpoint import ResumeCheckpoint
 from gpo.callbacks.rollout_monitor import RolloutMonitor
 from gpo.callbacks.vllm_weight_sync import VLLMWeightSync
@@ -19,6 +21,7 @@ __all__ = [
     "CompletionSamples",
     "DifficultyFilter",
     "DynamicSampling",
+    "ExportPolicy",
     "ResumeCheckpoint",
     "RolloutMonitor",
     "VLLMWeightSync",

@@ -8,16 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.pytorch.loggers import CometLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
 from gpo.rollout.base import Rollout
+from gpo.train.hooks import RolloutCallback
 
 COLUMNS = ["step", "kind", "group_mean", "reward", "prompt", "completion"]
 
 
-class CompletionSamples(Callback):
+class CompletionSamples(RolloutCallback):
     """Every ``every_n_steps`` steps, shows ``num_samples`` completions with their prompts and rewards.
 
     Groups are ranked by mean reward; the samples alternate between the best completion of the best group, the
@@ -36,8 +37,8 @@ class CompletionSamples(Callback):
     Source: standard practice of reading samples during RL fine-tuning (reward curves hide reward hacking and
     degenerate outputs that one look at the completions reveals); nothing paper-specific.
 
-    What the LightningModule must provide (gpo's ``GPOModule`` does): in ``training_step``, after scoring, call
-    ``on_rollout_end(trainer, module, rollout)`` on every callback that defines it; the rollout needs
+    What the LightningModule must provide (gpo's ``GPOModule`` does): in ``training_step``, after scoring,
+    ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module, rollout)``; the rollout needs
     ``prompts`` and ``completions`` (texts, one per row), ``reward[B]`` and ``group[B]``. The step counter is
     saved in checkpoints (``state_dict``).
 
@@ -57,6 +58,7 @@ class CompletionSamples(Callback):
         self.every_n_steps, self.num_samples, self.max_chars = every_n_steps, num_samples, max_chars
         self.rollouts_seen = 0
 
+    @override
     def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:
         due = self.rollouts_seen % self.every_n_steps == 0
         self.rollouts_seen += 1

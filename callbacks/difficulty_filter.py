@@ -8,14 +8,15 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from gpo.rollout.base import Rollout
+from gpo.train.hooks import RolloutCallback
 
 
-class DifficultyFilter(Callback):
+class DifficultyFilter(RolloutCallback):
     """Train on prompts the policy solves sometimes but not always: pass rate in ``[low, high]``.
 
     A completion passes when its reward is at least ``pass_threshold``. For each prompt (keyed by its text, or by
@@ -49,11 +50,11 @@ class DifficultyFilter(Callback):
 
     What the LightningModule must provide (gpo's ``GPOModule`` does):
 
-    - in ``training_step``, before sampling: call ``on_prompts(trainer, module, batch)`` on every callback that
-      defines it and use the returned batch when it is not None. A batch is a dict with ``prompt`` (texts),
+    - in ``training_step``, before sampling: ``batch = gpo.train.hooks.run_prompt_hooks(trainer, module, batch)``.
+      A batch is a dict with ``prompt`` (texts),
       ``prompt_ids`` (one entry per prompt) and ``fields`` (dataset columns, one list of values per column, one
       value per prompt); the filtered batch keeps the same keys, other keys are passed through unchanged.
-    - after scoring: call ``on_rollout_end(trainer, module, rollout)`` on the same callbacks; the rollout needs
+    - after scoring: ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module, rollout)``; the rollout needs
       ``group[B]`` (rows of a group answer one prompt), ``reward[B]`` (or ``scores[B, K]`` with ``score_index``),
       and ``prompts`` (or ``fields[key_column]``), one entry per row.
     - ``log_dict`` (Lightning's) for the metrics.
@@ -100,6 +101,7 @@ class DifficultyFilter(Callback):
 
     # ---- the two extra hooks ----------------------------------------------------------------------------------
 
+    @override
     def on_prompts(self, trainer: Trainer, module: LightningModule, batch: dict[str, Any]) -> dict[str, Any] | None:
         self.step += 1
         keys = self._keys(batch["prompt"], batch.get("fields", {}), "batch fields")
@@ -125,6 +127,7 @@ class DifficultyFilter(Callback):
         )
         return batch if len(keep) == len(keys) else select_prompts(batch, keep)
 
+    @override
     def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:
         passed = self._rewards(rollout) >= self.pass_threshold  # [B]
         keys = self._keys(rollout.prompts, rollout.fields, "rollout.fields")

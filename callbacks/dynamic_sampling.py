@@ -7,19 +7,20 @@ import math
 from typing import Any, Literal
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from gpo.parallel import collectives
 from gpo.rollout.base import Rollout, concat_rollouts
+from gpo.train.hooks import RolloutCallback, require_source
 
 OnExhausted = Literal["train", "skip"]
 TOTALS = ("steps", "groups_drawn", "groups_kept", "rounds", "exhausted_steps", "tokens_drawn")
 
 
-class DynamicSampling(Callback):
+class DynamicSampling(RolloutCallback):
     """Train every step on ``num_groups`` informative groups: groups whose rewards are not all equal.
 
     Rule: after scoring, a group whose rewards span at most ``atol`` (``max - min <= atol``) is dropped: its
@@ -47,16 +48,13 @@ class DynamicSampling(Callback):
 
     What the LightningModule must provide (gpo's ``GPOModule`` does; any LightningModule can):
 
-    - ``scored_rollout(batch) -> Rollout``: sample and score a batch of prompts, returning a
-      ``gpo.rollout.base.Rollout`` with ``reward[B]`` and ``group[B]`` set (rows of a group need not be adjacent;
-      ``completion_ids``/``completion_mask`` and the other token tensors are what ``Rollout.select`` and
-      ``concat_rollouts`` carry along).
-    - ``next_prompt_batch() -> batch``: another batch of training prompts, in whatever form ``scored_rollout``
-      takes.
-    - in ``training_step``, after scoring: call ``on_rollout_end(trainer, module, rollout)`` on every callback of
-      ``trainer.callbacks`` that defines it; replace the rollout with the result when it is not None (test
-      ``is not None``: an empty rollout has length 0 and is falsy); skip the step if the rollout has no rows;
-      otherwise train on it. ``log_dict`` (Lightning's) receives the metrics.
+    - ``gpo.train.hooks.RolloutSource.draw_rollout() -> Rollout``: sample and score another batch of training
+      prompts, a ``gpo.rollout.base.Rollout`` with ``reward[B]`` and ``group[B]`` set (rows of a group need not be
+      adjacent; the token tensors are what ``Rollout.select`` and ``concat_rollouts`` carry along). With
+      ``max_rounds=0`` it is never called.
+    - in ``training_step``, after scoring: ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module,
+      rollout)``; skip the step if the result has no rows, otherwise train on it. ``log_dict`` (Lightning's)
+      receives the metrics.
 
     Under DDP with ``W`` processes, ``num_groups`` is global: each process fills its own share of
     ``num_groups / W`` groups from its own prompts (drawing its own extra rounds, with no collective in between) and
@@ -97,6 +95,8 @@ class DynamicSampling(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.max_rounds:
+            require_source(self, pl_module, "draw_rollout() to draw more groups (max_rounds=0 only filters)")
         if self.num_groups is not None and self.num_groups % trainer.world_size:
             raise ValueError(
                 f"DynamicSampling num_groups={self.num_groups} is global: it must split evenly over the "
@@ -104,6 +104,7 @@ class DynamicSampling(Callback):
                 f"{trainer.world_size}."
             )
 
+    @override
     def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout | None:
         """A rollout of exactly ``num_groups`` informative groups, fewer (ran out, ``train``) or none (an empty
         rollout: skip the step); None when ``rollout`` is already exactly that."""
@@ -122,7 +123,7 @@ class DynamicSampling(Callback):
             if held == target or rounds == self.max_rounds:
                 break
             rounds += 1
-            current = pl_module.scored_rollout(pl_module.next_prompt_batch())
+            current = pl_module.draw_rollout()
         exhausted = held < target
         skip = exhausted and (self.on_exhausted == "skip" or held == 0)
         maxima = {"rounds": rounds, "exhausted": exhausted, "skip": skip}  # one process skipping skips all
@@ -181,7 +182,7 @@ def _over_ranks(sums: dict[str, int], maxima: dict[str, int | bool], pl_module: 
     """``sums`` summed and ``maxima`` maximised over the processes of a distributed run (as given otherwise)."""
     if collectives.world_size() == 1:
         return {**sums, **{key: int(value) for key, value in maxima.items()}}
-    device = getattr(pl_module, "device", "cpu")
+    device = pl_module.device
     total = collectives.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
     high = collectives.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
     return {**dict(zip(sums, total, strict=True)), **dict(zip(maxima, high, strict=True))}

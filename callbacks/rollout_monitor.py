@@ -7,22 +7,20 @@ import math
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 from typing_extensions import override
 
-from gpo.models.loading import training_mode
-from gpo.models.scorer import completion_logprobs
 from gpo.rollout.base import Rollout
+from gpo.train.hooks import RolloutCallback, require_source
 
 COLLAPSE_SIGNALS = ("entropy", "ngram_unique", "reward_group_std")
-ENTROPY_FIELDS = ("token_entropy", "entropy")  # per-token entropy [B, T] a rollout may carry
 UNIFORM_ATOL = 1e-6  # a group whose rewards span at most this has zero advantage (GroupNormAdvantage's eps)
 
 
-class RolloutMonitor(Callback):
+class RolloutMonitor(RolloutCallback):
     """Logs the health of every step's rollout under ``monitor/...`` and warns when it looks like mode collapse.
 
     Per step (population statistics, ``std`` divides by n):
@@ -47,23 +45,22 @@ class RolloutMonitor(Callback):
     narrows all three: check ``reward/mean`` before acting. A signal that cannot be measured at a step (no
     entropy source, completions shorter than ``ngram``) is not logged and makes that step non-collapsing.
 
-    Entropy, in order of preference: a per-token ``token_entropy`` (or ``entropy``) tensor ``[B, T]`` on the
-    rollout (free; gpo's Rollout has none yet); with ``compute_entropy=True``, one no-grad forward pass of
-    ``module.model`` over the rollout (costly: about a third of a training pass); otherwise the metric named
-    ``entropy_metric`` the module logged during the step (GPOModule logs ``entropy``, the token entropy of its
-    training pass: exact for one update per step, an average over the updates otherwise).
+    Entropy: with ``compute_entropy=True``, one no-grad forward pass of the module's ``scorer`` over the rollout
+    (costly: about a third of a training pass); otherwise the metric named ``entropy_metric`` the module logged
+    during the step (GPOModule logs ``entropy``, the token entropy of its training pass: exact for one update per
+    step, an average over the updates otherwise).
 
     Source: seed 002 (a textbook chapter on GRPO): "track response entropy, unique n-gram ratio and reward
     distribution width; if all three drop together you have a collapse". The thresholds are ours.
 
     What the LightningModule must provide (gpo's ``GPOModule`` does):
 
-    - after scoring, in ``training_step``: call ``on_rollout_end(trainer, module, rollout)`` on every callback that
-      defines it; the rollout needs ``completion_ids``/``completion_mask`` ``[B, T]`` (right-padded),
+    - after scoring, in ``training_step``: ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module,
+      rollout)``; the rollout needs ``completion_ids``/``completion_mask`` ``[B, T]`` (right-padded),
       ``truncated[B]``, ``group[B]`` and ``reward[B]``. Put this callback after callbacks that replace the
       rollout, so it sees what is trained on.
-    - for ``compute_entropy``: ``model`` (a transformers causal LM), the rollout's ``prompt_ids``/``prompt_mask``
-      (left-padded), and optionally ``temperature`` (the sampling temperature; default 1.0).
+    - for ``compute_entropy``: ``scorer`` (``gpo.train.hooks.RolloutSource``: a ``TokenScorer`` of the policy at
+      the sampling temperature) and the rollout's ``prompt_ids``/``prompt_mask`` (left-padded).
     - ``log_dict`` (Lightning's); the statistics are logged in ``on_train_batch_end``, after the step's updates.
 
     Each process monitors its own rollout (no collective calls).
@@ -110,6 +107,12 @@ class RolloutMonitor(Callback):
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.compute_entropy:
+            require_source(self, pl_module, "scorer for compute_entropy (or read a logged entropy: entropy_metric)")
+
+    @override
     def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:
         self._pending = None
         if len(rollout) == 0:  # nothing will be trained on this step
@@ -120,11 +123,9 @@ class RolloutMonitor(Callback):
         stats["ngram_unique"] = unique_ngram_ratio(
             rollout.completion_ids, rollout.completion_mask, rollout.group, self.ngram
         )
-        entropy = next((v for v in (getattr(rollout, name, None) for name in ENTROPY_FIELDS) if v is not None), None)
-        if entropy is None and self.compute_entropy:
-            entropy = rollout_entropy(module, rollout, self.entropy_batch_size)
-        if entropy is not None:
-            stats["entropy"] = masked_mean(entropy, rollout.completion_mask)
+        if self.compute_entropy:
+            scores = module.scorer.rollout_scores(rollout, entropy=True, batch_size=self.entropy_batch_size)
+            stats["entropy"] = masked_mean(scores.entropy, rollout.completion_mask)
         self._pending = stats
 
     @override
@@ -140,7 +141,7 @@ class RolloutMonitor(Callback):
                 stats["entropy"] = float(logged)
         if "entropy" not in stats and not self._warned_no_entropy:
             rank_zero_warn(
-                "RolloutMonitor: no token entropy this step (none on the rollout, compute_entropy off, entropy_metric="
+                "RolloutMonitor: no token entropy this step (compute_entropy off, entropy_metric="
                 f"{self.entropy_metric!r} not logged); the collapse check needs it. Set compute_entropy=True, or "
                 "entropy_metric to the name your module logs the token entropy under (warned once)."
             )
@@ -253,17 +254,3 @@ def unique_ngram_ratio(ids: Tensor, mask: Tensor, group: Tensor, n: int) -> floa
     total = torch.bincount(tagged[:, 0], minlength=groups).double()  # [G]
     ratio = torch.bincount(distinct, minlength=groups).double() / total  # [G], nan where a group has none
     return float(ratio[total > 0].mean())
-
-
-@torch.no_grad()
-def rollout_entropy(module: LightningModule, rollout: Rollout, batch_size: int | None) -> Tensor:
-    """Token entropy ``[B, T]`` of ``module.model`` at the module's sampling temperature, in eval mode."""
-    model, width = module.model, rollout.completion_ids.shape[1]
-    t = getattr(module, "temperature", 1.0)
-    ids, attn = rollout.input_ids, rollout.attention_mask
-    parts = []
-    with training_mode(model, False):
-        for rows in torch.arange(len(rollout), device=ids.device).split(batch_size or len(rollout)):
-            out, _ = completion_logprobs(model, ids[rows], attn[rows], width, temperature=t, with_entropy=True)
-            parts.append(out.entropy)
-    return torch.cat(parts)

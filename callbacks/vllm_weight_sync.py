@@ -11,9 +11,8 @@ from lightning import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from gpo.algo.masked import masked_mean
-from gpo.models.loading import training_mode
-from gpo.models.scorer import completion_logprobs
 from gpo.models.weights import checkpoint_weights, full_parameters
+from gpo.train.hooks import require_source
 
 DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
 
@@ -45,9 +44,9 @@ class VLLMWeightSync(Callback):
     trainer agree to about 1e-5; bfloat16 differs by up to about 0.3, hence the default. Also logged:
     ``weight_sync/count`` and ``weight_sync/seconds`` (time of the latest push).
 
-    What the LightningModule must provide (gpo's ``GPOModule`` does): ``engine`` with ``update_weights(named
-    tensors)`` and ``generate(prompt_ids, n, greedy=, logprobs=)``; ``policy`` (the trained module, peft or not);
-    ``model`` (the transformers model to score with) and ``tokenizer``.
+    What the LightningModule must provide (gpo's ``GPOModule`` does): ``gpo.train.hooks.RolloutSource``'s ``engine``
+    (a ``RolloutEngine`` with weights of its own), ``policy`` (the trained model, peft or not) and ``scorer`` (a
+    ``TokenScorer`` of it); and ``tokenizer`` (for the probe prompts).
 
     Args:
         weight_sync_interval: optimiser steps between syncs (>= 1).
@@ -81,6 +80,10 @@ class VLLMWeightSync(Callback):
     # ---- hooks ------------------------------------------------------------------------------------------------
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require_source(self, pl_module, "engine, policy, scorer and tokenizer")
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.sync(trainer, pl_module)
 
@@ -102,9 +105,9 @@ class VLLMWeightSync(Callback):
         started = time.perf_counter()
         with full_parameters(trainer.strategy.model or pl_module):
             weights = checkpoint_weights(pl_module.policy)
-            if trainer.global_rank == 0 or not getattr(engine, "serves_all_ranks", False):
+            if trainer.global_rank == 0 or not engine.serves_all_ranks:
                 engine.update_weights(weights.items())
-        if getattr(engine, "serves_all_ranks", False):
+        if engine.serves_all_ranks:
             trainer.strategy.barrier("vllm_weight_sync")
         self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
         self._pending = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
@@ -116,11 +119,9 @@ class VLLMWeightSync(Callback):
         """Engine vs trainer log-probs on the probe batch; RuntimeError past ``max_logprob_diff``."""
         prompt_ids = [pl_module.tokenizer(text).input_ids for text in self.probe_prompts]
         rollout = pl_module.engine.generate(prompt_ids, 1, greedy=True, logprobs=True).to(pl_module.device)
-        width = rollout.completion_ids.shape[1]
-        with training_mode(pl_module.model, False):
-            out, _ = completion_logprobs(pl_module.model, rollout.input_ids, rollout.attention_mask, width)
+        trainer_logp = pl_module.scorer.rollout_scores(rollout, temperature=1.0).logp  # greedy: no temperature
         mask = rollout.completion_mask
-        diff = (rollout.logp - out.logp.float()).abs() * mask  # [B, T]
+        diff = (rollout.logp - trainer_logp.float()).abs() * mask  # [B, T]
         worst, mean = float(diff.max()), float(masked_mean(diff, mask))
         if worst > self.max_logprob_diff:
             raise RuntimeError(

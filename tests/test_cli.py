@@ -70,3 +70,47 @@ def test_model_tokenizer_also_tokenises_the_prompts(root, tmp_path):
     finally:
         (tmp_path / "moved.json").rename(root / "model" / "tokenizer.json")
     assert (root / "own_tokenizer/lightning_logs/version_0/metrics.csv").is_file()
+
+
+OLD_CONFIG = """
+model:
+  knobs: {use_ppo_clip: true}
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(("--model.knobs.clip_low=0.3",), "model.knobs moved: a preset takes its own settings", id="knobs"),
+        pytest.param(("--model.export=none",), "export is a top-level setting now", id="export"),
+        pytest.param(("--model.mask_truncated_completions=true",), "model.token_weights: [gpo.algo.OverlongFilter]",
+                     id="mask_truncated_completions"),
+        pytest.param(("--model.gate=ClipGate",), "class_path: Custom", id="gate"),
+        pytest.param(("--model.engine.init_args.max_new_tokens=8",), "model.engine.init_args.sampling.max_new_tokens",
+                     id="max_new_tokens"),
+        pytest.param(("--model.rewards=[gpo.envs.env_reward]",), "moved: use gpo.rewards.env_reward", id="env_reward"),
+        pytest.param(("--trainer.strategy=gpo.strategies.FullyShardedStrategy",),
+                     "use gpo.parallel.fsdp.FullyShardedStrategy", id="fsdp_strategy"),
+        pytest.param(("--model.optim.learning_rate=1e-3",), "model.optim takes: lr, weight_decay", id="misspelt_key"),
+    ],
+)  # fmt: skip
+def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):
+    from gpo.cli import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and says in err, err
+    message = err[err.index("gpo fit: error: ") :]  # after any progress bar of the model loading
+    assert len(message.splitlines()) <= 5 and "Traceback" not in err, err
+
+
+def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, capsys):
+    from gpo.cli import run
+
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD_CONFIG)
+    with pytest.raises(SystemExit):
+        run(["fit", f"--config={QUICKSTART}", f"--config={old}", f"--model.policy={root / 'model'}"])
+    err = capsys.readouterr().err
+    assert "unknown setting model.knobs.use_ppo_clip" in err and f"(set in {old})" in err, err

@@ -52,8 +52,117 @@ def test_quickstart_saves_its_resolved_config(assets):
 
 
 def test_parts_by_short_class_name_or_import_path(assets):
-    extra = ("--model.gate=ClipGate", "--model.gate.clip_high=0.3", "--model.aggregator=gpo.algo.TokenMean")
-    run_fit(assets, CONFIGS / "quickstart.yaml", extra=(*extra, "--model.advantage=RankAdvantage"))
+    extra = ("--model.algorithm=Custom", "--model.algorithm.gate=ClipGate", "--model.algorithm.gate.clip_high=0.3")
+    extra += ("--model.algorithm.aggregator=gpo.algo.TokenMean", "--model.algorithm.advantage=RankAdvantage")
+    run_fit(assets, CONFIGS / "quickstart.yaml", extra=extra)
     saved = max((assets[0] / "runs").rglob("config.yaml"), key=lambda p: p.stat().st_mtime).read_text()
+    assert "class_path: gpo.algo.Custom" in saved
     assert "class_path: gpo.algo.ClipGate" in saved and "clip_high: 0.3" in saved
-    assert "gpo.algo.TokenMean" in saved and "gpo.algo.RankAdvantage" in saved
+    assert "class_path: gpo.algo.TokenMean" in saved and "class_path: gpo.algo.RankAdvantage" in saved
+
+
+# ---- every part the README names, built from YAML alone ----------------------------------------------------------
+
+PARTS = {
+    "advantage": ["GroupNormAdvantage", "LeaveOneOutAdvantage", "BatchWhitenedAdvantage", "RankAdvantage"],
+    "gate": ["NoGate", "ClipGate", "CISPOGate", "SequenceClipGate", "SoftGate", "GeometricMeanGate",
+             "RouterShiftGate", "VESPOGate"],
+    "aggregator": ["TokenMean", "SequenceMean", "SequenceSum"],
+}  # fmt: skip
+
+
+def build(assets, tmp_path, yaml_text: str):
+    """The GPOModule and Trainer ``gpo fit`` builds from the quickstart plus ``yaml_text`` (nothing is trained)."""
+    from gpo.cli import GPOCLI
+    from gpo.train.data import PromptDataModule
+    from gpo.train.module import GPOModule
+
+    _, dense, _, data = assets
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml_text)
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(extra), f"--model.policy={dense}"]
+    args += [f"--data.path={data}", "--data.val_path=null", f"--trainer.default_root_dir={tmp_path}"]
+    cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
+    return cli.model, cli.trainer
+
+
+@pytest.mark.parametrize(("slot", "name"), [(slot, name) for slot, names in PARTS.items() for name in names])
+def test_each_algorithm_part_is_reachable_from_yaml(assets, tmp_path, slot, name):
+    module, _ = build(
+        assets, tmp_path, f"model:\n  algorithm:\n    class_path: Custom\n    init_args:\n      {slot}: {name}\n"
+    )
+    part = {"advantage": module.advantage, "gate": module.learner.objective.gate,
+            "aggregator": module.learner.objective.aggregator}[slot]  # fmt: skip
+    assert type(part).__name__ == name
+
+
+def test_the_other_named_parts_are_reachable_from_yaml(assets, tmp_path):
+    module, trainer = build(
+        assets,
+        tmp_path,
+        """
+model:
+  algorithm:
+    class_path: Custom
+    init_args:
+      aggregator: {class_path: ConstantNorm, init_args: {max_length: 4}}
+      gate: {class_path: DivergenceMaskGate, init_args: {mode: binary_tv, threshold: 0.2}}
+  rewards:
+    - gpo.rewards.positional_match
+    - gpo.rewards.exact_match
+    - gpo.rewards.math_answer
+    - {class_path: gpo.rewards.RegexFormat, init_args: {pattern: "^[0-9]+$"}}
+    - {class_path: gpo.rewards.LengthPenalty, init_args: {max_tokens: 3}}
+    - {class_path: gpo.rewards.SoftOverlongPunishment, init_args: {max_length: 4, cache_length: 2}}
+    - {class_path: gpo.rewards.DuplicatePenalty, init_args: {penalty: -0.5}}
+  mixer: {class_path: GroupNormalizedSum, init_args: {weights: [1, 1, 1, 1, 1, 1, 1]}}
+  kl: {beta: 0.05, estimator: k2, placement: reward}
+  entropy: {coef: 0.01}
+  correction: {mode: mis, level: sequence, cap: 3.0}
+  token_weights: [OverlongFilter, ReferenceProbWeight]
+trainer:
+  callbacks:
+    - gpo.callbacks.DynamicSampling
+    - gpo.callbacks.DifficultyFilter
+    - gpo.callbacks.RolloutMonitor
+    - gpo.callbacks.CompletionSamples
+""",
+    )
+    objective = module.learner.objective
+    assert type(objective.aggregator).__name__ == "ConstantNorm" and objective.gate.mode == "binary_tv"
+    names = [type(fn).__name__ if not hasattr(fn, "__code__") else fn.__name__ for fn in module.collector.rewards]
+    assert names[3:] == ["RegexFormat", "LengthPenalty", "SoftOverlongPunishment", "DuplicatePenalty"]
+    assert type(module.collector.mixer).__name__ == "GroupNormalizedSum"
+    assert module.learner.reward_kl.estimator == "k2" and objective.entropy.coef == 0.01
+    assert module.learner.correction.mode == "mis"
+    assert [type(w).__name__ for w in objective.dropping + objective.scaling] == [
+        "OverlongFilter",
+        "ReferenceProbWeight",
+    ]
+    assert module.scorer.reference is not None  # ReferenceProbWeight and the KL need the reference
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert {"DynamicSampling", "DifficultyFilter", "RolloutMonitor", "CompletionSamples", "ExportPolicy"} <= names
+
+
+def test_multi_turn_parts_are_reachable_from_yaml(assets, tmp_path):
+    module, _ = build(
+        assets,
+        tmp_path,
+        """
+model:
+  rewards:
+    - gpo.rewards.env_reward
+    - {class_path: gpo.rewards.JudgeReward, init_args: {judge_url: "http://127.0.0.1:1", kind: event}}
+    - {class_path: gpo.rewards.JudgeReward, init_args: {judge_url: "http://127.0.0.1:1", kind: outcome}}
+  mixer: {class_path: EnvEventOutcomeBlend, init_args: {env: 1.0, event: 0.5, outcome: 0.5}}
+  step_rewards: {mode: env_sparse, beta: 0.5}
+  engine:
+    class_path: gpo.rollout.MultiTurnEngine
+    init_args:
+      engine: {class_path: gpo.rollout.HFEngine, init_args: {sampling: {max_new_tokens: 2}}}
+      env: {class_path: gpo.envs.NumberGuess}
+      max_turns: 3
+""",
+    )
+    assert type(module.engine).__name__ == "MultiTurnEngine" and module.engine.sampling.max_new_tokens == 6
+    assert module.step_rewards.mode == "env_sparse" and type(module.collector.mixer).__name__ == "EnvEventOutcomeBlend"

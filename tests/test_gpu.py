@@ -10,12 +10,12 @@ import torch
 
 from gpo.models.loading import LoraSettings
 from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
-from gpo.train.settings import Optimization
+from gpo.train.optimization import Optimization
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,9 @@ def fit(workspace, steps: int, **module_kwargs) -> tuple[GPOModule, list[float]]
     model, data = workspace
     L.seed_everything(0)
     module_kwargs.setdefault("optim", Optimization(lr=1e-3))
-    module = GPOModule(model, [positional_match], group_size=16, engine=HFEngine(max_new_tokens=4), **module_kwargs)
+    module = GPOModule(
+        model, [positional_match], group_size=16, engine=HFEngine(sampling=Sampling(max_new_tokens=4)), **module_kwargs
+    )
     rewards = Rewards()
     trainer = L.Trainer(
         accelerator="cuda", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -54,7 +56,7 @@ def fit(workspace, steps: int, **module_kwargs) -> tuple[GPOModule, list[float]]
 
 
 def test_bfloat16_full_fine_tuning_learns_on_gpu(workspace):
-    module, rewards = fit(workspace, 300, dtype="bfloat16", ppo_clip_ref_logprobs="batch")
+    module, rewards = fit(workspace, 300, dtype="bfloat16", old_logprobs="trainer")
     assert next(module.policy.parameters()).dtype == torch.bfloat16
     first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
     print(f"bf16 reward: first 50 steps {first:.3f}, last 50 steps {last:.3f}")
@@ -64,8 +66,8 @@ def test_bfloat16_full_fine_tuning_learns_on_gpu(workspace):
 def test_qlora_trains_only_the_adapter_on_gpu(workspace):
     lora = LoraSettings(r=8, alpha=16, dropout=0.0)
     module = GPOModule(
-        workspace[0], [positional_match], group_size=4, engine=HFEngine(max_new_tokens=4), trainer_mode="qlora",
-        lora=lora, optim=Optimization(lr=1e-3),
+        workspace[0], [positional_match], group_size=4, engine=HFEngine(sampling=Sampling(max_new_tokens=4)),
+        trainer_mode="qlora", lora=lora, optim=Optimization(lr=1e-3),
     )  # fmt: skip
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     quantized = [n for n, p in module.policy.named_parameters() if p.dtype == torch.uint8]

@@ -1,7 +1,8 @@
 """gpo.algo: the math of group-based policy optimisation, in pure torch.
 
-Four kinds of part compose every algorithm: an ``AdvantageEstimator``, a ``RatioGate``, a
-``LossAggregator`` and a ``RewardMixer``. This package imports torch only.
+Four kinds of part compose every algorithm: an ``AdvantageEstimator``, a ``RatioGate``, a ``LossAggregator`` and
+a ``RewardMixer``; presets (``GRPO``, ``DAPO``, ...) are named bundles of the first three. This package imports
+torch only.
 """
 
 from gpo.algo.advantages import (
@@ -29,22 +30,48 @@ from gpo.algo.gates import (
 )
 from gpo.algo.logprobs import TokenLogProbs, linear_token_logprobs, token_logprobs
 from gpo.algo.mixers import EnvEventOutcomeBlend, GroupNormalizedSum, RewardMixer, WeightedSum
-from gpo.algo.presets import ALGORITHMS, Algorithm, AlgorithmKnobs, build_algorithm
+from gpo.algo.objective import PolicyObjective
+from gpo.algo.presets import (
+    ALGORITHMS,
+    CISPO,
+    DAPO,
+    GMPO,
+    GRPO,
+    GSPO,
+    RLOO,
+    RSPO,
+    SAPO,
+    Algorithm,
+    Custom,
+    DrGRPO,
+    Parts,
+    PPOClip,
+    ReinforcePP,
+    preset,
+)
 from gpo.algo.regularizers import EntropyBonus, KLPenalty, kl_estimate
-from gpo.algo.shaping import DuplicatePenalty, SoftOverlongPunishment
-from gpo.algo.weighting import ReferenceProbWeight, overlong_filter
+from gpo.algo.turns import StepRewards
+from gpo.algo.weighting import OverlongFilter, ReferenceProbWeight, TokenWeight
 
 __all__ = [
     "ALGORITHMS",
+    "CISPO",
+    "DAPO",
+    "GMPO",
+    "GRPO",
+    "GSPO",
+    "RLOO",
+    "RSPO",
+    "SAPO",
     "AdvantageEstimator",
     "Algorithm",
-    "AlgorithmKnobs",
     "BatchWhitenedAdvantage",
     "CISPOGate",
     "ClipGate",
     "ConstantNorm",
+    "Custom",
     "DivergenceMaskGate",
-    "DuplicatePenalty",
+    "DrGRPO",
     "EntropyBonus",
     "EnvEventOutcomeBlend",
     "GeometricMeanGate",
@@ -54,9 +81,14 @@ __all__ = [
     "LeaveOneOutAdvantage",
     "LossAggregator",
     "NoGate",
+    "OverlongFilter",
+    "PPOClip",
+    "Parts",
+    "PolicyObjective",
     "RankAdvantage",
     "RatioGate",
     "ReferenceProbWeight",
+    "ReinforcePP",
     "RewardMixer",
     "RolloutCorrection",
     "RouterShiftGate",
@@ -64,16 +96,16 @@ __all__ = [
     "SequenceMean",
     "SequenceSum",
     "SoftGate",
-    "SoftOverlongPunishment",
+    "StepRewards",
     "TokenLogProbs",
     "TokenMean",
+    "TokenWeight",
     "VESPOGate",
     "WeightedSum",
-    "build_algorithm",
     "kl_estimate",
     "linear_token_logprobs",
     "mismatch_metrics",
-    "overlong_filter",
+    "preset",
     "router_logprobs",
     "router_shift_weight",
     "token_logprobs",

@@ -214,3 +214,47 @@ def linear_token_logprobs(
     )
     logp = logp.reshape(lead) if single else logp.reshape(tokens.shape)
     return TokenLogProbs(logp, entropy.reshape(lead) if with_entropy else None)
+
+
+@torch.no_grad()
+def linear_topk_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely tokens of each row of ``softmax((hidden @ weight.T + bias) / temperature)`` and their
+    log-probabilities, ``(logp[..., k], ids[..., k])`` in descending order, without the ``[..., V]`` logits (no
+    gradient: DPPO's top-k divergence reads the old policy's top-k set).
+
+    Args:
+        hidden: final hidden states ``[..., H]``.
+        weight: output-embedding weight ``[V, H]``.
+        k: tokens per row (at most ``V``).
+        bias, temperature, chunk_size: as in ``linear_token_logprobs``.
+    """
+    _check_temperature(temperature)
+    if not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"k={k} must be in [1, {weight.shape[0]}] (the vocabulary size).")
+    lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
+    chunk = _rows_per_chunk(weight.shape[0], chunk_size)
+    logp = flat.new_empty((flat.shape[0], k), dtype=torch.float32)
+    ids = torch.empty((flat.shape[0], k), dtype=torch.long, device=flat.device)
+    for start in range(0, flat.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        z = _linear_chunk(flat[rows], weight, bias, temperature)  # [C, V]
+        top = z.topk(k, dim=-1)
+        logp[rows], ids[rows] = top.values - torch.logsumexp(z, dim=-1, keepdim=True), top.indices
+    return logp.reshape(*lead, k), ids.reshape(*lead, k)
+
+
+@torch.no_grad()
+def topk_logprobs(logits: Tensor, k: int, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``linear_topk_logprobs`` for given logits ``[..., V]`` (models whose logits are not a plain linear map)."""
+    _check_temperature(temperature)
+    z = logits.float() / temperature
+    top = z.topk(k, dim=-1)
+    return top.values - torch.logsumexp(z, dim=-1, keepdim=True), top.indices

@@ -20,7 +20,12 @@ def _weights(weights: Sequence[float] | None, n: int, name: str) -> Tensor:
 
 
 class RewardMixer(ABC):
-    """``(scores[B, K], group[B]) -> reward[B]`` for ``K`` reward functions."""
+    """``(scores[B, K], group[B]) -> reward[B]`` for ``K`` reward functions.
+
+    ``weights``: one weight per reward function, in order, for mixers that weigh them (None: all 1, or unweighted).
+    """
+
+    weights: list[float] | None = None
 
     @abstractmethod
     def __call__(self, scores: Tensor, group: Tensor) -> Tensor:

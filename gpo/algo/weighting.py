@@ -1,28 +1,58 @@
-"""Per-token weights applied before the gate: overlong filtering and reference-probability weighting."""
+"""Per-token weights of the objective, fixed for a step: overlong filtering and reference-probability weighting."""
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 
-def overlong_filter(mask: Tensor, truncated: Tensor) -> Tensor:
-    """DAPO's overlong filtering: completions that hit the length limit without EOS leave the loss.
+class TokenWeight(ABC):
+    """A factor ``w[B, T]`` on each token's advantage, computed once per step from what the step knows (no
+    gradient): ``A'_t = w_t A_t``.
 
-    ``mask[B, T]``, ``truncated[B]`` (True where no EOS was generated) -> the mask with those rows zeroed.
+    A weight that only keeps or drops tokens (``drops_tokens``: ``w`` is 0 or 1) acts on the loss mask instead, so
+    the dropped tokens also leave the loss normaliser (the token or sequence count). ``requires`` names the step
+    inputs it reads, among ``truncated`` (``[B]`` bool, no EOS within the budget) and ``ref_logp`` (``[B, T]``
+    reference log-probs; the trainer then scores the reference model).
     """
-    return mask * (~truncated.bool())[:, None].to(mask.dtype)
+
+    requires: ClassVar[frozenset[str]] = frozenset()
+    drops_tokens: ClassVar[bool] = False
+
+    @abstractmethod
+    def __call__(self, mask: Tensor, **inputs: Tensor) -> Tensor:
+        """``mask[B, T]`` and the inputs in ``requires`` -> ``w[B, T]``, zero where ``mask`` is 0."""
 
 
-class ReferenceProbWeight:
+class OverlongFilter(TokenWeight):
+    """DAPO's overlong filtering (Yu et al. 2025): completions that hit the length limit without EOS leave the
+    loss, so a policy is not punished for an answer it was not allowed to finish.
+
+    ``w_i = 0`` for a truncated completion, 1 otherwise; a dropping weight, so truncated completions also leave the
+    normaliser.
+    """
+
+    requires = frozenset({"truncated"})
+    drops_tokens = True
+
+    def __call__(self, mask: Tensor, *, truncated: Tensor) -> Tensor:
+        return mask * (~truncated.bool())[:, None].to(mask.dtype)
+
+
+class ReferenceProbWeight(TokenWeight):
     """Scale each token's advantage by ``1 - pi_ref(o_t)``: tokens the reference model already predicts
     confidently carry little of the update, uncertain ones carry most of it.
 
     ``A'_t = A_t (1 - pi_ref(o_t))``. This is the token weighting some texts (seed 002) attribute to
     Dr. GRPO; the Dr. GRPO paper itself removes the length and std normalisations instead (see the
-    ``dr_grpo`` preset), so here it is a separate, optional part. Needs reference log-probs.
+    ``DrGRPO`` preset), so here it is a separate, optional part. The trainer scores the reference model for it.
     """
 
-    def __call__(self, adv: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    requires = frozenset({"ref_logp"})
+
+    def __call__(self, mask: Tensor, *, ref_logp: Tensor) -> Tensor:
         weight = -torch.expm1(ref_logp.detach())  # 1 - pi_ref, accurate near pi_ref = 1
-        return torch.where(mask.bool(), adv * weight, torch.zeros_like(adv))
+        return torch.where(mask.bool(), weight, torch.zeros_like(weight))

@@ -5,13 +5,10 @@ from __future__ import annotations
 import copy
 import shutil
 from pathlib import Path
-from typing import Literal
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.models.loading import is_peft
-
-ExportMode = Literal["merged", "adapter", "none"]
 
 
 def export_policy(

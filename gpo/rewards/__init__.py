@@ -15,12 +15,15 @@ from gpo.rewards.builtin import (
     positional_match,
 )
 from gpo.rewards.judge import JudgeError, JudgeReward
+from gpo.rewards.shaping import DuplicatePenalty, SoftOverlongPunishment
 
 __all__ = [
+    "DuplicatePenalty",
     "JudgeError",
     "JudgeReward",
     "LengthPenalty",
     "RegexFormat",
+    "SoftOverlongPunishment",
     "answer_column",
     "column",
     "env_reward",

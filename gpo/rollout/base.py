@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # gpo.callbacks imports this file and stays free of transformers
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -27,20 +31,19 @@ class Sampling:
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        # Engines take these as their own arguments: in YAML, model.engine.init_args.<name>.
+        where = "model.engine.init_args.sampling"  # every engine takes one ``sampling`` argument
         if not self.temperature > 0:
             raise ValueError(
-                f"model.engine.init_args.temperature={self.temperature} must be > 0 (1.0 samples the policy as is; "
-                "evaluation decodes greedily on its own)."
+                f"{where}.temperature={self.temperature} must be > 0 (1.0 samples the policy as is; evaluation "
+                "decodes greedily on its own)."
             )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.engine.init_args.top_p={self.top_p} must be in (0, 1] (1 disables it).")
+            raise ValueError(f"{where}.top_p={self.top_p} must be in (0, 1] (1 disables it).")
         if self.top_k < 0:
-            raise ValueError(f"model.engine.init_args.top_k={self.top_k} must be >= 0 (0 disables it).")
+            raise ValueError(f"{where}.top_k={self.top_k} must be >= 0 (0 disables it).")
         if self.max_new_tokens < 1:
             raise ValueError(
-                f"model.engine.init_args.max_new_tokens={self.max_new_tokens} must be >= 1 (the completion budget "
-                "in tokens)."
+                f"{where}.max_new_tokens={self.max_new_tokens} must be >= 1 (the completion budget in tokens)."
             )
 
 
@@ -68,7 +71,10 @@ class Rollout:
     # tokens in the context (``completion_mask`` 1) but out of the loss (``loss_mask`` 0). Set it anew whenever
     # ``completion_mask`` changes.
     loss_mask: Tensor | None = None
-    turn_adv: Tensor | None = None  # [B, T] float32: per-turn advantage of multi-turn step rewards, else None
+    # Multi-turn episodes (``MultiTurnEngine``): each policy turn's step reward, NaN past the episode's last turn,
+    # and the policy turn of each completion token, -1 on environment tokens and padding.
+    turn_rewards: Tensor | None = None  # [B, K] float32
+    turn_index: Tensor | None = None  # [B, T] long
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -108,13 +114,14 @@ class Rollout:
             scores=None if self.scores is None else self.scores[index],
             reward=None if self.reward is None else self.reward[index],
             loss_mask=self.loss_mask[index],
-            turn_adv=None if self.turn_adv is None else self.turn_adv[index],
+            turn_rewards=None if self.turn_rewards is None else self.turn_rewards[index],
+            turn_index=None if self.turn_index is None else self.turn_index[index],
         )
 
     def to(self, device: torch.device | str) -> Rollout:
         required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated", "group")
         move = {name: getattr(self, name).to(device) for name in required}
-        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward", "turn_adv")}
+        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward", "turn_rewards", "turn_index")}
         return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
 
     @property
@@ -129,12 +136,12 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
         return rollouts[0]
     width_p = max(r.prompt_ids.shape[1] for r in rollouts)
     width_t = max(r.completion_ids.shape[1] for r in rollouts)
+    max_turns = max(0 if r.turn_rewards is None else r.turn_rewards.shape[1] for r in rollouts)
+
+    right = _pad_right(width_t, 0)
 
     def left(x: Tensor) -> Tensor:
         return torch.nn.functional.pad(x, (width_p - x.shape[1], 0))
-
-    def right(x: Tensor) -> Tensor:
-        return torch.nn.functional.pad(x, (0, width_t - x.shape[1]))
 
     groups, offset = [], 0
     for r in rollouts:
@@ -163,26 +170,30 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
         scores=cat_optional("scores"),
         reward=cat_optional("reward"),
         loss_mask=torch.cat([right(r.loss_mask) for r in rollouts]),
-        turn_adv=_cat_turn_adv(rollouts, right),
+        turn_rewards=cat_optional("turn_rewards", _pad_right(max_turns, float("nan"))),
+        turn_index=cat_optional("turn_index", _pad_right(width_t, -1)),
     )
 
 
-def _cat_turn_adv(rollouts: list[Rollout], right) -> Tensor | None:
-    """The parts' ``turn_adv`` one below the other; a part without one (no step rewards) adds zeros."""
-    if all(r.turn_adv is None for r in rollouts):
-        return None
-    parts = [
-        torch.zeros_like(r.completion_ids, dtype=torch.float32) if r.turn_adv is None else r.turn_adv for r in rollouts
-    ]
-    return torch.cat([right(p) for p in parts])
+def _pad_right(width: int, value: float):
+    """Right-padding of ``[B, W]`` tensors to ``[B, width]`` with ``value``."""
+    return lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
 
 class RolloutEngine(ABC):
-    """Samples ``n`` completions for each prompt. The module never imports a concrete engine."""
+    """Samples ``n`` completions for each prompt. The trainer only ever sees this interface, never a concrete engine.
 
-    # True when the engine samples from the very module being trained (no copy of the weights to keep in sync):
-    # then its log-probs equal the trainer's, and the trainer skips measuring the mismatch.
+    Attributes every engine declares:
+        sampling: how completions are sampled (temperature, top-p, top-k, length budget); the trainer scores tokens
+            at the same temperature.
+        shares_policy_weights: the engine samples from the very module being trained (no copy of the weights to keep
+            in sync): its log-probs equal the trainer's, so the trainer does not measure a mismatch.
+        serves_all_ranks: one engine (a server) serves every training process: weight updates come from rank 0 alone.
+    """
+
+    sampling: Sampling
     shares_policy_weights: bool = False
+    serves_all_ranks: bool = False
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:  # noqa: B027
         """Called once by the trainer with the policy it trains; engines with their own weights may ignore it."""
@@ -203,3 +214,11 @@ class RolloutEngine(ABC):
         the engine has them, the sampled tokens' ``logp`` at the sampling temperature. Texts and dataset fields
         are the caller's to add; an engine may add fields of its own (a multi-turn engine's episode records).
         """
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Replace the engine's copy of the weights with ``(name, tensor)`` pairs named as in the transformers
+        checkpoint; engines that sample from the trained module itself have no copy to update."""
+        raise NotImplementedError(
+            f"{type(self).__name__} samples from the trained policy itself and holds no weights of its own to update; "
+            "weight sync (VLLMWeightSync) is for engines with their own copy (VLLMEngine, VLLMServerEngine)."
+        )

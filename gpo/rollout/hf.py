@@ -9,7 +9,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.models.loading import training_mode
-from gpo.models.scorer import completion_logprobs
+from gpo.models.scorer import TokenScorer
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
 
@@ -35,30 +35,19 @@ def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor
 class HFEngine(RolloutEngine):
     """Sampling with ``model.generate`` (KV cache, EOS stopping), log-probs from one extra forward pass.
 
-    The sampled tokens' log-probs (when asked for) come from one extra forward pass through the same memory-lean
-    path the trainer uses, at the sampling temperature, so they equal the trainer's old-policy log-probs up to
-    kernel nondeterminism.
+    The sampled tokens' log-probs (when asked for) come from one extra forward pass through the trainer's
+    ``TokenScorer``, at the sampling temperature, so they equal the trainer's old-policy log-probs up to kernel
+    nondeterminism.
 
     Args:
-        temperature: sampling temperature (> 0).
-        top_p: nucleus mass; 1 disables it.
-        top_k: top-k filter; 0 disables it.
-        max_new_tokens: completion budget in tokens.
+        sampling: temperature, top-p, top-k and the completion budget (``max_new_tokens``).
         batch_size: prompts x samples generated per ``generate`` call (None: all at once).
     """
 
     shares_policy_weights = True
 
-    def __init__(
-        self,
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 64,
-        batch_size: int | None = None,
-    ) -> None:
-        self.sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+    def __init__(self, *, sampling: Sampling | None = None, batch_size: int | None = None) -> None:
+        self.sampling = sampling or Sampling()
         if batch_size is not None and batch_size < 1:
             raise ValueError(
                 f"model.engine.init_args.batch_size={batch_size} must be >= 1, or null to generate in one call."
@@ -66,9 +55,11 @@ class HFEngine(RolloutEngine):
         self.batch_size = batch_size
         self.policy: PreTrainedModel | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.scorer: TokenScorer | None = None
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.policy, self.tokenizer = policy, tokenizer
+        self.scorer = TokenScorer(policy, temperature=self.sampling.temperature)
 
     @property
     def eos_id(self) -> int:
@@ -103,8 +94,10 @@ class HFEngine(RolloutEngine):
         completion = _right_pad([c for c in chunks], self.pad_id)  # [B, T]
         completion_mask_, truncated = completion_mask(completion, self.eos_id)
         completion = completion.masked_fill(completion_mask_ == 0, self.pad_id)
-        logp = self._logprobs(ids, mask, completion, completion_mask_) if logprobs else None
-        return Rollout(ids, mask, completion, completion_mask_, truncated, group, logp=logp)
+        rollout = Rollout(ids, mask, completion, completion_mask_, truncated, group)
+        if logprobs:
+            rollout.logp = self.scorer.policy_logp(rollout).masked_fill(completion_mask_ == 0, 0.0)
+        return rollout
 
     def _sample(self, ids: Tensor, mask: Tensor, greedy: bool) -> Tensor:
         s = self.sampling
@@ -122,17 +115,6 @@ class HFEngine(RolloutEngine):
             **sampling_kwargs,
         )
         return out[:, ids.shape[1] :]
-
-    @torch.no_grad()
-    def _logprobs(self, ids: Tensor, mask: Tensor, completion: Tensor, completion_mask_: Tensor) -> Tensor:
-        logprobs, _ = completion_logprobs(
-            self.policy,
-            torch.cat([ids, completion], 1),
-            torch.cat([mask, completion_mask_], 1),
-            completion.shape[1],
-            temperature=self.sampling.temperature,
-        )
-        return logprobs.logp.masked_fill(completion_mask_ == 0, 0.0)
 
 
 def _right_pad(chunks: list[Tensor], pad_id: int) -> Tensor:

@@ -15,11 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.envs.base import Environment, Episodes, LocalEpisodes, Step
-from gpo.envs.step_rewards import StepRewardsMode, check_step_rewards, spread_over_tokens, turn_advantage, turn_credit
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.hf import left_pad
 from gpo.rollout.token_lists import prompt_seeds
@@ -64,9 +62,9 @@ class MultiTurnEngine(RolloutEngine):
     context), ``loss_mask`` only on the policy's tokens, ``logp`` is the sampler's on policy tokens and 0 on
     environment tokens, ``truncated`` marks episodes not done within ``max_turns``. ``fields`` carries per row
     ``env_return`` (sum of step rewards), ``turn_rewards``, ``turns`` (action, observation, reward, info of each
-    turn) and ``env_done``. With step rewards on, ``turn_adv[B, T]`` carries each policy token's per-turn advantage
-    (``gpo.envs.step_rewards``), to be added to the sequence advantage; per-token advantages need a token-level
-    gate (``ClipGate``, or ``SequenceClipGate(per_token_advantage=True)``, GSPO-token).
+    turn) and ``env_done``; ``turn_rewards[B, K]`` each turn's step reward (NaN past the last turn) and
+    ``turn_index[B, T]`` each token's policy turn (-1 on environment tokens and padding), from which
+    ``gpo.algo.StepRewards`` (``model.step_rewards``) computes per-turn advantages.
 
     Args:
         engine: samples each policy turn (e.g. ``HFEngine``); its ``max_new_tokens`` is the budget of one turn.
@@ -75,9 +73,6 @@ class MultiTurnEngine(RolloutEngine):
         max_concurrent_rollouts: environment calls (open, step, close) in flight at once; None: no limit.
         observation_template: how an observation becomes text before tokenising (e.g. a chat template's user turn
             around ``{observation}``).
-        step_rewards_mode: ``off`` (one reward per episode), ``decision_stepwise`` (each turn credited with its own
-            step reward) or ``env_sparse`` (each turn credited with the step rewards from it to the end).
-        step_rewards_beta: weight of the per-turn advantage.
     """
 
     def __init__(
@@ -88,8 +83,6 @@ class MultiTurnEngine(RolloutEngine):
         max_turns: int = 4,
         max_concurrent_rollouts: int | None = None,
         observation_template: str = "{observation}",
-        step_rewards_mode: StepRewardsMode = "off",
-        step_rewards_beta: float = 1.0,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1 (policy turns per episode).")
@@ -97,12 +90,10 @@ class MultiTurnEngine(RolloutEngine):
             raise ValueError(f"max_concurrent_rollouts={max_concurrent_rollouts} must be >= 1, or null for no limit.")
         if "{observation}" not in observation_template:
             raise ValueError(f"observation_template={observation_template!r} must contain '{{observation}}'.")
-        check_step_rewards(step_rewards_mode, step_rewards_beta)
         self.engine = engine
         self.episodes = env if isinstance(env, Episodes) else LocalEpisodes(env)
         self.max_turns, self.max_concurrent_rollouts = max_turns, max_concurrent_rollouts
         self.observation_template = observation_template
-        self.step_rewards_mode, self.step_rewards_beta = step_rewards_mode, step_rewards_beta
         self.tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
@@ -110,10 +101,9 @@ class MultiTurnEngine(RolloutEngine):
         return self.engine.shares_policy_weights
 
     @property
-    def sampling(self) -> Sampling | None:
+    def sampling(self) -> Sampling:
         """The wrapped engine's sampling, with ``max_new_tokens`` the policy's tokens of a whole episode at most."""
-        inner = getattr(self.engine, "sampling", None)
-        return None if inner is None else replace(inner, max_new_tokens=inner.max_new_tokens * self.max_turns)
+        return replace(self.engine.sampling, max_new_tokens=self.engine.sampling.max_new_tokens * self.max_turns)
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.engine.setup(policy, tokenizer)
@@ -211,13 +201,17 @@ class MultiTurnEngine(RolloutEngine):
             turn_index[row, :length] = torch.tensor(e.turn, dtype=torch.long)
             completion_mask[row, :length] = 1
             logp[row, :length] = torch.tensor(e.logp, dtype=torch.float32)
-        group = torch.arange(len(prompt_ids)).repeat_interleave(n)  # [B]
-        rollout = Rollout(
+        turn_rewards = torch.full((size, self.max_turns), float("nan"))  # [B, K]: NaN past the last turn
+        for row, e in enumerate(episodes):
+            turn_rewards[row, : len(e.rewards)] = torch.tensor(e.rewards, dtype=torch.float32)
+        return Rollout(
             ids, mask, completion, completion_mask,
             truncated=torch.tensor([not e.done for e in episodes]),
-            group=group,
+            group=torch.arange(len(prompt_ids)).repeat_interleave(n),  # [B]
             logp=logp if logprobs else None,
             loss_mask=(turn_index != ENV_TOKEN).long(),
+            turn_rewards=turn_rewards,
+            turn_index=turn_index,
             fields={
                 "env_return": [sum(e.rewards) for e in episodes],
                 "turn_rewards": [list(e.rewards) for e in episodes],
@@ -225,19 +219,6 @@ class MultiTurnEngine(RolloutEngine):
                 "env_done": [e.done for e in episodes],
             },
         )  # fmt: skip
-        if self.step_rewards_mode != "off":
-            rollout.turn_adv = self._turn_adv(episodes, group, turn_index)
-        return rollout
-
-    def _turn_adv(self, episodes: list[Episode], group: Tensor, turn_index: Tensor) -> Tensor:
-        """``[B, T]`` per-turn advantage of each policy token (see ``gpo.envs.step_rewards``)."""
-        rewards = torch.zeros((len(episodes), self.max_turns))  # [B, K]
-        valid = torch.zeros((len(episodes), self.max_turns))  # [B, K]
-        for row, e in enumerate(episodes):
-            rewards[row, : len(e.rewards)] = torch.tensor(e.rewards)
-            valid[row, : len(e.rewards)] = 1
-        credit = turn_credit(rewards, valid, self.step_rewards_mode)  # [B, K]
-        return spread_over_tokens(turn_advantage(credit, valid, group, self.step_rewards_beta), turn_index)
 
 
 def episode_seeds(seed: int | None, count: int) -> list[int]:

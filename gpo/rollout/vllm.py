@@ -94,10 +94,7 @@ class VLLMEngine(RolloutEngine):
     weights' keys and values).
 
     Args:
-        temperature: sampling temperature (> 0).
-        top_p: nucleus mass; 1 disables it.
-        top_k: top-k filter; 0 disables it.
-        max_new_tokens: completion budget in tokens.
+        sampling: temperature, top-p, top-k and the completion budget (``max_new_tokens``).
         max_model_len: longest prompt + completion the engine accepts (None: the model's own limit).
         dtype: weights and activations dtype; ``auto`` takes the checkpoint's. Use the trainer's dtype for
             log-probs that agree with it (float32: about 1e-6 on the CPU; bfloat16: up to about 0.3).
@@ -118,10 +115,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 64,
+        sampling: Sampling | None = None,
         max_model_len: int | None = None,
         dtype: VLLMDType = "auto",
         gpu_memory_utilization: float = 0.9,
@@ -131,7 +125,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: bool = False,
         seed: int = 0,
     ) -> None:
-        self.sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        self.sampling = sampling or Sampling()
         on_gpu = torch.cuda.is_available()
         _check_engine_arguments(
             dtype, gpu_memory_utilization, kv_cache_memory_bytes, tensor_parallel_size, enable_sleep_mode, on_gpu

@@ -46,10 +46,7 @@ class VLLMServerEngine(RolloutEngine):
 
     Args:
         base_url: the server's address, e.g. ``http://127.0.0.1:8000``.
-        temperature: sampling temperature (> 0).
-        top_p: nucleus mass; 1 disables it.
-        top_k: top-k filter; 0 disables it.
-        max_new_tokens: completion budget in tokens.
+        sampling: temperature, top-p, top-k and the completion budget (``max_new_tokens``).
         weights_dir: folder shared with the server where weight updates are written (None: updates refused).
         weight_update: how weights reach the server; ``file`` (see above).
         health_max_wait_s: longest wait for ``/health`` in ``setup`` before giving up.
@@ -65,10 +62,7 @@ class VLLMServerEngine(RolloutEngine):
         self,
         base_url: str = "http://127.0.0.1:8000",
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 64,
+        sampling: Sampling | None = None,
         weights_dir: str | None = None,
         weight_update: WeightUpdate = "file",
         health_max_wait_s: float = 300.0,
@@ -76,7 +70,7 @@ class VLLMServerEngine(RolloutEngine):
         request_timeout_s: float = 600.0,
         max_concurrent_requests: int = 64,
     ) -> None:
-        self.sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        self.sampling = sampling or Sampling()
         if weight_update != "file":
             raise ValueError(f"weight_update={weight_update!r} is not valid; choose 'file'.")
         for name, value in (

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -269,6 +271,41 @@ class PromptLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.order.resume(state["epoch"], state["batches_done"] * self.batch_size)
+
+
+class PromptDraws:
+    """More batches of training prompts, for callbacks that draw beyond a step's own batch (``DynamicSampling``),
+    from passes over the data of their own.
+
+    Pass ``k`` is shuffled by ``seed + 1 + k`` alone and ``drawn`` (the count so far) is checkpointed, so a resumed
+    run draws the same batches (for map-style datasets; an iterable dataset is simply iterated again). Under DDP each
+    rank draws from its own share of each pass.
+
+    Args:
+        loader: the training loader whose rows and batching the draws reuse.
+        seed: the data seed.
+        drawn: batches already drawn (from a checkpoint).
+    """
+
+    def __init__(self, loader: DataLoader, seed: int, drawn: int = 0) -> None:
+        self.loader, self.seed, self.drawn = loader, seed, drawn
+        self.per_pass = batches_per_pass(loader)
+        self._batches: Iterator[dict[str, Any]] | None = None
+
+    def __iter__(self) -> PromptDraws:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        passes, offset = divmod(self.drawn, self.per_pass or 1)
+        if self._batches is None or offset == 0:
+            extra = reshuffled(self.loader, self.seed + 1 + passes) if self.per_pass else self.loader
+            self._batches = itertools.islice(iter(extra), offset, None)
+        self.drawn += 1
+        try:
+            return next(self._batches)
+        except StopIteration:  # an iterable dataset ran out: start it again
+            self._batches = iter(self.loader)
+            return next(self._batches)
 
 
 def batches_per_pass(loader: DataLoader) -> int | None:

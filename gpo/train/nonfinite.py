@@ -7,7 +7,7 @@ import math
 
 import torch
 
-log = logging.getLogger("gpo.train.module")
+log = logging.getLogger(__name__)
 
 
 class NonfiniteGuard:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpo.algo.gates import NoGate, RatioGate
-from gpo.algo.presets import AlgorithmKnobs
 from gpo.rewards.runner import reward_name
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ def check_context(longest_prompt: tuple[int, str], max_new_tokens: int | None, c
     if max_new_tokens is None or context is None:
         return
     tokens, where = longest_prompt
-    budget = f"model.engine.init_args.max_new_tokens={max_new_tokens}"
+    budget = f"model.engine.init_args.sampling.max_new_tokens={max_new_tokens}"
     if max_new_tokens >= context:
         raise ValueError(
             f"{budget} leaves no room for a prompt in the model's context of {context} tokens "
@@ -169,8 +168,8 @@ def warn_if_no_trust_region(updates_per_rollout: int, gate: RatioGate) -> None:
     if updates_per_rollout > 1 and isinstance(gate, NoGate):
         log.warning(
             "%d optimiser updates per rollout (model.optim.number_of_minibatches x ppo_epochs) without a ratio "
-            "gate: later updates are off-policy and unclipped. Set model.knobs.use_ppo_clip: true (or an "
-            "algorithm with its own gate).",
+            "gate: later updates are off-policy and unclipped. Choose a gated algorithm, e.g. model.algorithm: "
+            "{class_path: GRPO, init_args: {ppo_clip: {}}}, or DAPO, CISPO, GSPO, SAPO, GMPO.",
             updates_per_rollout,
         )
 
@@ -191,8 +190,8 @@ def _column_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None
     return [p for p in parameters if p.kind in _NAMED and p not in first_two]
 
 
-def check_module_arguments(policy, rewards, group_size, old_logprobs, export, knobs, mixer, tokenizer) -> None:
-    """What can be refused from the arguments alone, before any weights load (the rest: ``setup``)."""
+def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -> None:
+    """What can be refused from the arguments alone, before any weights load (the rest: ``check_run``)."""
     if isinstance(policy, str):
         check_pretrained_folder(policy, "model.policy", "model")
     field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
@@ -202,23 +201,57 @@ def check_module_arguments(policy, rewards, group_size, old_logprobs, export, kn
         raise ValueError("model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
     for index, fn in enumerate(rewards):
         check_reward_signature(fn, index)
-    weights = getattr(mixer, "weights", None)
-    if weights is not None and len(weights) != len(rewards):
+    if mixer is not None and mixer.weights is not None and len(mixer.weights) != len(rewards):
         raise ValueError(
-            f"model.mixer ({type(mixer).__name__}) has {len(weights)} weights for the {len(rewards)} functions "
-            "in model.rewards; give one weight per reward function, in the same order."
+            f"model.mixer ({type(mixer).__name__}) has {len(mixer.weights)} weights for the {len(rewards)} "
+            "functions in model.rewards; give one weight per reward function, in the same order."
         )
     if group_size < 2:
         raise ValueError(
             f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
             "set it to >= 2 (8 is usual)."
         )
-    if knobs is not None and knobs.group_size not in (group_size, AlgorithmKnobs().group_size):
+
+
+def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) -> str:
+    """``old_logprobs``, or what seed 000's ``ppo_clip_ref_logprobs`` says (``batch`` is ``trainer``)."""
+    if old_logprobs not in ("rollout", "trainer"):
+        raise ValueError(f"model.old_logprobs={old_logprobs!r} is not valid; choose rollout or trainer.")
+    if ppo_clip_ref_logprobs is None:
+        return old_logprobs
+    if ppo_clip_ref_logprobs not in ("rollout", "batch"):
         raise ValueError(
-            f"model.knobs.group_size={knobs.group_size} is not used: model.group_size={group_size} sets the "
-            f"group size. Set model.group_size: {knobs.group_size} and remove knobs.group_size."
+            f"model.ppo_clip_ref_logprobs={ppo_clip_ref_logprobs!r} is not valid; choose rollout or batch (or set "
+            "model.old_logprobs: rollout | trainer, its new name)."
         )
-    if old_logprobs not in ("rollout", "batch"):
-        raise ValueError(f"model.ppo_clip_ref_logprobs={old_logprobs!r} is not valid; choose rollout or batch.")
-    if export not in ("merged", "adapter", "none"):
-        raise ValueError(f"model.export={export!r} is not valid; choose 'merged', 'adapter' or 'none'.")
+    aliased = "trainer" if ppo_clip_ref_logprobs == "batch" else "rollout"
+    if old_logprobs != "rollout" and old_logprobs != aliased:
+        raise ValueError(
+            f"model.old_logprobs={old_logprobs!r} and model.ppo_clip_ref_logprobs={ppo_clip_ref_logprobs!r} (its "
+            "seed-000 name) disagree; set only one of them."
+        )
+    return aliased
+
+
+def check_run(module, trainer) -> None:
+    """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, reward columns,
+    context length, minibatch split, strategy."""
+    from gpo.parallel import collectives, fsdp
+    from gpo.train.data import PromptDataModule
+
+    if module.tokenizer is None:
+        raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
+    embedding_rows = module.model.get_input_embeddings().num_embeddings
+    check_tokenizer(module.tokenizer, "model.tokenizer, by default model.policy's folder", embedding_rows)
+    data = trainer.datamodule if trainer is not None else None
+    if isinstance(data, PromptDataModule):  # checks against the loaded prompts, before any sampling
+        collector, optim = module.collector, module.optim
+        check_reward_columns(collector.rewards, data.columns, data.prompt_column)
+        context = getattr(module.model.config, "max_position_embeddings", None)
+        check_context(data.longest_prompt, module.engine.sampling.max_new_tokens, context)
+        check_minibatches(data.prompts_per_step, collector.group_size, optim.number_of_minibatches,
+                          collectives.world_size())  # fmt: skip
+    updates = module.optim.number_of_minibatches * module.optim.ppo_epochs
+    warn_if_no_trust_region(updates, module.learner.objective.gate)
+    if trainer is not None:
+        fsdp.check_strategy(trainer.strategy)

@@ -12,16 +12,17 @@ from torch import Tensor
 
 from gpo.algo import (
     ALGORITHMS,
-    AlgorithmKnobs,
     EntropyBonus,
     KLPenalty,
+    NoGate,
+    OverlongFilter,
     ReferenceProbWeight,
     RolloutCorrection,
-    build_algorithm,
+    TokenMean,
     kl_estimate,
     linear_token_logprobs,
     mismatch_metrics,
-    overlong_filter,
+    preset,
     token_logprobs,
 )
 from gpo.algo.objective import PolicyObjective
@@ -120,7 +121,7 @@ def test_policy_objective_composes_its_parts_and_micro_batches_add_up(
 @fuzz(15)
 @given(case=cases())
 def test_every_preset_runs_end_to_end_without_leaking_padding(name, case):
-    algo = build_algorithm(name, AlgorithmKnobs(max_completion_length=MAX_TOKENS))
+    algo = preset(name).parts(max_new_tokens=MAX_TOKENS)
     adv = algo.advantage(case.reward, case.group, case.mask)
     loss, metrics = algo.gate(case.logp, case.old_logp, adv, case.mask, **gate_inputs(algo.gate, case))
     check_metrics(metrics, algo.gate)
@@ -226,7 +227,7 @@ def test_mismatch_metrics_are_ordered_and_non_negative(case):
 def test_overlong_filter_zeroes_exactly_the_truncated_rows(case, data, dtype):
     truncated = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(case.labels), max_size=len(case.labels))))
     mask = case.mask.to(dtype)
-    out = overlong_filter(mask, truncated)
+    out = OverlongFilter()(mask, truncated=truncated)
     assert out.shape == mask.shape and out.dtype == dtype
     assert (out[truncated] == 0).all() and torch.equal(out[~truncated], mask[~truncated])
 
@@ -235,7 +236,8 @@ def test_overlong_filter_zeroes_exactly_the_truncated_rows(case, data, dtype):
 @given(case=cases(token_adv=True))
 def test_reference_prob_weight_shrinks_the_advantage_towards_zero(case):
     adv = fill_padding(case.adv, case.mask, math.nan)
-    out = ReferenceProbWeight()(adv, case.ref_logp, case.mask)
+    objective = PolicyObjective(NoGate(), TokenMean(), token_weights=[ReferenceProbWeight()])
+    out = objective.weigh(adv, case.mask, ref_logp=case.ref_logp)
     real = case.mask.bool()
     assert torch.isfinite(out).all() and (out[~real] == 0).all()
     expected = case.adv.double() * (1 - case.ref_logp.double().exp())

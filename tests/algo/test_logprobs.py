@@ -129,3 +129,21 @@ def test_temperature_must_be_positive(data):
     hidden, weight, _, tokens = data
     with pytest.raises(ValueError, match="temperature=0"):
         token_logprobs(hidden @ weight.T, tokens, temperature=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_topk_logprobs_are_the_k_most_likely_tokens_without_the_logits(data, chunk_size, temperature):
+    from gpo.algo.logprobs import linear_topk_logprobs, topk_logprobs
+
+    hidden, weight, bias, _ = data
+    full = torch.log_softmax((hidden @ weight.T + bias) / temperature, dim=-1)  # float64 reference
+    ref = full.topk(4, dim=-1)
+    logp, ids = linear_topk_logprobs(hidden, weight, 4, bias=bias, temperature=temperature, chunk_size=chunk_size)
+    assert logp.shape == ids.shape == (2, 7, 4) and torch.equal(ids, ref.indices)
+    torch.testing.assert_close(logp, ref.values.float())
+    logp, ids = topk_logprobs(hidden @ weight.T + bias, 4, temperature=temperature)
+    assert torch.equal(ids, ref.indices)
+    torch.testing.assert_close(logp, ref.values.float())
+    with pytest.raises(ValueError, match="k=12 must be in"):
+        linear_topk_logprobs(hidden, weight, 12)

@@ -1,24 +1,37 @@
-import logging
+"""Presets: the parts each one builds, the seed's defaults, its own settings, and the combinations it refuses."""
 
 import pytest
 
 from gpo.algo import (
     ALGORITHMS,
-    AlgorithmKnobs,
+    CISPO,
+    DAPO,
+    GMPO,
+    GRPO,
+    GSPO,
+    RLOO,
+    RSPO,
+    SAPO,
     BatchWhitenedAdvantage,
     CISPOGate,
     ClipGate,
     ConstantNorm,
+    Custom,
+    DrGRPO,
     GeometricMeanGate,
     GroupNormAdvantage,
     LeaveOneOutAdvantage,
     NoGate,
+    PPOClip,
+    RankAdvantage,
+    ReinforcePP,
     RouterShiftGate,
     SequenceClipGate,
     SequenceMean,
     SoftGate,
     TokenMean,
-    build_algorithm,
+    VESPOGate,
+    preset,
 )
 
 EXPECTED_PARTS = {
@@ -37,72 +50,67 @@ EXPECTED_PARTS = {
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_every_preset_builds_its_parts(name):
-    algo = build_algorithm(name)
-    assert tuple(map(type, (algo.advantage, algo.gate, algo.aggregator))) == EXPECTED_PARTS[name]
+    parts = preset(name).parts()
+    assert tuple(map(type, (parts.advantage, parts.gate, parts.aggregator))) == EXPECTED_PARTS[name]
+    assert isinstance(preset(name), ALGORITHMS[name])
 
 
 def test_defaults_from_the_seed_configs():
-    assert build_algorithm("grpo").advantage.scale == "group"
-    assert build_algorithm("dr_grpo").advantage.scale == "none"
-    cispo = build_algorithm("cispo").gate
-    assert (cispo.clip_low, cispo.clip_high) == (0.4, 0.5)
-    gspo = build_algorithm("gspo").gate
-    assert (gspo.clip_low, gspo.clip_high) == (0.4, 0.5)
-    sapo = build_algorithm("sapo").gate
-    assert (sapo.tau_pos, sapo.tau_neg) == (1.0, 1.05)
-    dapo = build_algorithm("dapo").gate
-    assert (dapo.clip_low, dapo.clip_high) == (0.2, 0.28)
+    assert GRPO().parts().advantage.scale == "group"
+    assert DrGRPO().parts().advantage.scale == "none"
+    assert (CISPO().gate.clip_low, CISPO().gate.clip_high) == (0.4, 0.5)
+    assert (GSPO().gate.clip_low, GSPO().gate.clip_high) == (0.4, 0.5)
+    assert (SAPO().gate.tau_pos, SAPO().gate.tau_neg) == (1.0, 1.05)
+    assert (DAPO().gate.clip_low, DAPO().gate.clip_high) == (0.2, 0.28)
+    assert (GMPO().gate.clip_low, RSPO().gate.top_k, RSPO().gate.gamma_min) == (0.4, 2, 0.5)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp", "dr_grpo"])
-def test_ppo_clip_layers_on_the_reinforce_family(name):
-    gate = build_algorithm(name, AlgorithmKnobs(use_ppo_clip=True, clip_low=0.2, clip_high=0.3)).gate
-    assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high) == (0.2, 0.3)
+@pytest.mark.parametrize("algorithm", [GRPO, RLOO, ReinforcePP, DrGRPO])
+def test_ppo_clip_layers_on_the_reinforce_family(algorithm):
+    gate = algorithm(ppo_clip=PPOClip(clip_low=0.2, clip_high=0.3, dual_clip=3.0)).parts(64).gate
+    assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high, gate.dual_clip) == (0.2, 0.3, 3.0)
+    gate = algorithm(ppo_clip=PPOClip()).parts(64).gate  # seed 000's use_ppo_clip: 0.4 / 0.5 by default
+    assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high) == (0.4, 0.5)
+    assert isinstance(algorithm().parts(64).gate, NoGate)
 
 
-@pytest.mark.parametrize("name", ["cispo", "gspo", "sapo", "gmpo", "rspo"])
-def test_ppo_clip_refused_where_the_algorithm_has_its_own_ratio_handling(name):
-    with pytest.raises(ValueError, match=f"use_ppo_clip=True is not compatible with algorithm='{name}'"):
-        build_algorithm(name, AlgorithmKnobs(use_ppo_clip=True))
+def test_each_preset_reads_only_its_own_settings():
+    assert GRPO(advantage_norm="batch").parts().advantage.scale == "batch"
+    assert GSPO(per_token_advantage=True).gate.per_token_advantage
+    with pytest.raises(TypeError):
+        CISPO(ppo_clip=PPOClip())  # CISPO handles the ratio itself: there is no PPO clipping to layer on it
+    with pytest.raises(TypeError):
+        RLOO(advantage_norm="batch")  # its baseline is a group statistic (seed 000)
 
 
-def test_rloo_refuses_batch_normalisation():
-    with pytest.raises(ValueError, match=r"rloo.*advantage_norm='group'"):
-        build_algorithm("rloo", AlgorithmKnobs(advantage_norm="batch"))
-
-
-def test_reinforce_pp_forces_batch_normalisation_and_says_so(caplog):
-    with caplog.at_level(logging.WARNING):
-        algo = build_algorithm("reinforce_pp", AlgorithmKnobs(advantage_norm="group"))
-    assert isinstance(algo.advantage, BatchWhitenedAdvantage)
-    assert "advantage_norm set to 'batch'" in caplog.text
-
-
-def test_grpo_batch_normalisation():
-    assert build_algorithm("grpo", AlgorithmKnobs(advantage_norm="batch")).advantage.scale == "batch"
-
-
-def test_dr_grpo_token_sum_norm_needs_the_generation_budget():
+def test_dr_grpo_token_sum_norm_divides_by_the_generation_budget():
+    assert isinstance(DrGRPO().parts(64).aggregator, TokenMean)
+    aggregator = DrGRPO(loss_agg_mode="token_sum_norm").parts(max_new_tokens=64).aggregator
+    assert isinstance(aggregator, ConstantNorm) and aggregator.max_length == 64
+    assert DrGRPO(loss_agg_mode="token_sum_norm", max_completion_length=256).parts(64).aggregator.max_length == 256
     with pytest.raises(ValueError, match="set max_completion_length"):
-        build_algorithm("dr_grpo", AlgorithmKnobs(dr_grpo_loss_agg_mode="token_sum_norm"))
-    agg = build_algorithm(
-        "dr_grpo", AlgorithmKnobs(dr_grpo_loss_agg_mode="token_sum_norm", max_completion_length=256)
-    ).aggregator
-    assert isinstance(agg, ConstantNorm) and agg.max_length == 256
+        DrGRPO(loss_agg_mode="token_sum_norm").parts(None)
+
+
+def test_custom_combines_any_parts_without_rules():
+    parts = Custom(advantage=RankAdvantage(), gate=VESPOGate(), aggregator=TokenMean()).parts()
+    assert tuple(map(type, (parts.advantage, parts.gate, parts.aggregator))) == (RankAdvantage, VESPOGate, TokenMean)
+    assert tuple(map(type, Custom().parts().__dict__.values())) == (GroupNormAdvantage, NoGate, SequenceMean)
 
 
 @pytest.mark.parametrize(
-    ("name", "knobs", "message"),
+    ("build", "message"),
     [
-        ("grpo", AlgorithmKnobs(group_size=1), "group_size=1"),
-        ("ppo", AlgorithmKnobs(), "grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo, gspo, sapo, gmpo, rspo"),
-        ("grpo", AlgorithmKnobs(use_ppo_clip=True, clip_low=-0.1), "does not contain 1"),
-        ("dapo", AlgorithmKnobs(clip_high=-0.5), "does not contain 1"),
-        ("grpo", AlgorithmKnobs(advantage_norm="global"), "'group' or 'batch'"),
-        ("dr_grpo", AlgorithmKnobs(dr_grpo_loss_agg_mode="seq_mean"), "'token_mean' or 'token_sum_norm'"),
-        ("sapo", AlgorithmKnobs(sapo_tau_pos=0), "tau_pos=0"),
+        (lambda: preset("ppo"), "grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo, gspo, sapo, gmpo, rspo"),
+        (lambda: GRPO(ppo_clip=PPOClip(clip_low=-0.1)), "does not contain 1"),
+        (lambda: DAPO(clip_high=-0.5), "does not contain 1"),
+        (lambda: GRPO(advantage_norm="global"), "'group' or 'batch'"),
+        (lambda: DrGRPO(loss_agg_mode="seq_mean"), "'token_mean' or 'token_sum_norm'"),
+        (lambda: DrGRPO(max_completion_length=64), "read only with loss_agg_mode: token_sum_norm"),
+        (lambda: SAPO(tau_pos=0), "tau_pos=0"),
+        (lambda: RLOO(ppo_clip=PPOClip(dual_clip=0.5)), "dual_clip=0.5 must be > 1"),
     ],
 )
-def test_invalid_configurations_fail_at_construction_with_the_fix(name, knobs, message):
+def test_invalid_configurations_fail_at_construction_with_the_fix(build, message):
     with pytest.raises(ValueError, match=message):
-        build_algorithm(name, knobs)
+        build()

@@ -1,16 +1,17 @@
-"""Reward mixers, shaping and token weighting."""
+"""Reward mixers and token weights."""
 
 import pytest
 import torch
 
 from gpo.algo import (
-    DuplicatePenalty,
     EnvEventOutcomeBlend,
     GroupNormalizedSum,
+    NoGate,
+    OverlongFilter,
+    PolicyObjective,
     ReferenceProbWeight,
-    SoftOverlongPunishment,
+    TokenMean,
     WeightedSum,
-    overlong_filter,
 )
 
 SCORES = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 20.0], [0.0, 20.0]])
@@ -53,38 +54,27 @@ def test_mixer_weight_count_must_match():
         WeightedSum(weights=[1, 2, 3])(SCORES, GROUP)
 
 
-def test_soft_overlong_punishment_piecewise():
-    # L_max = 10, L_cache = 4: safe up to 6; ramp (6 - |y|) / 4; -1 past 10
-    penalty = SoftOverlongPunishment(max_length=10, cache_length=4)(torch.tensor([3, 6, 7, 8, 10, 11]))
-    torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
-    with pytest.raises(ValueError, match="cache_length=12"):
-        SoftOverlongPunishment(max_length=10, cache_length=12)
-
-
-def test_duplicate_penalty_within_groups_only():
-    tokens = torch.tensor([[5, 6, 0], [5, 6, 0], [5, 7, 0], [5, 6, 0], [5, 6, 9], [5, 6, 0]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0]])
-    group = torch.tensor([0, 0, 0, 0, 1, 1])
-    # group 0: rows 1 and 3 repeat row 0; row 2 differs. group 1: row 4 is longer, row 5 first of its kind there
-    penalty = DuplicatePenalty(penalty=-0.5)(tokens, mask, group)
-    torch.testing.assert_close(penalty, torch.tensor([0.0, -0.5, 0.0, -0.5, 0.0, 0.0]))
-
-
-def test_duplicate_penalty_ignores_padding_contents():
-    tokens = torch.tensor([[5, 6, 1], [5, 6, 2]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    torch.testing.assert_close(DuplicatePenalty()(tokens, mask, torch.tensor([0, 0])), torch.tensor([0.0, -1.0]))
-
-
 def test_overlong_filter_drops_truncated_rows():
     mask = torch.ones(3, 4)
-    filtered = overlong_filter(mask, torch.tensor([False, True, False]))
+    filtered = OverlongFilter()(mask, truncated=torch.tensor([False, True, False]))
     torch.testing.assert_close(filtered, torch.tensor([[1.0] * 4, [0.0] * 4, [1.0] * 4]))
 
 
 def test_reference_prob_weight_hand_worked():
-    # pi_ref = 0.9 -> weight 0.1; pi_ref = 0.25 -> 0.75
-    adv = torch.tensor([[2.0, 2.0, 2.0]])
+    # pi_ref = 0.9 -> weight 0.1; pi_ref = 0.25 -> 0.75; padding 0
     ref_logp = torch.tensor([[0.9, 0.25, 0.5]]).log()
-    weighted = ReferenceProbWeight()(adv, ref_logp, torch.tensor([[1, 1, 0]]))
-    torch.testing.assert_close(weighted, torch.tensor([[0.2, 1.5, 0.0]]))
+    weight = ReferenceProbWeight()(torch.tensor([[1, 1, 0]]), ref_logp=ref_logp)
+    torch.testing.assert_close(weight, torch.tensor([[0.1, 0.75, 0.0]]))
+
+
+def test_the_objective_applies_dropping_weights_to_the_mask_and_scaling_weights_to_the_advantage():
+    objective = PolicyObjective(NoGate(), TokenMean(), token_weights=[OverlongFilter(), ReferenceProbWeight()])
+    assert objective.requires == {"ref_logp"}
+    mask = torch.ones(2, 2)
+    torch.testing.assert_close(
+        objective.loss_mask(mask, torch.tensor([True, False])), torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    )
+    # 2 x (1 - 0.9) = 0.2, 2 x (1 - 0.25) = 1.5; -1 x 0.5 = -0.5 twice
+    adv = torch.tensor([[2.0, 2.0], [-1.0, -1.0]])
+    ref_logp = torch.tensor([[0.9, 0.25], [0.5, 0.5]]).log()
+    torch.testing.assert_close(objective.weigh(adv, mask, ref_logp=ref_logp), torch.tensor([[0.2, 1.5], [-0.5, -0.5]]))

@@ -1,23 +1,16 @@
 """CompletionSamples: which samples are picked, the Markdown file, the loggers that show text, a real fit."""
 
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import Mock
 
-import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from gpo.callbacks.completion_samples import COLUMNS, CompletionSamples
 from gpo.cli import default_loggers
-from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
-from gpo.tasks import make_task, write_jsonl
-from gpo.testing import save_tiny_model
-from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
 from tests.callbacks.grouped import grouped_rollout
+from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
 def make_rollout(prompts, completions, rewards):
@@ -149,24 +142,15 @@ def test_state_dict_round_trip(tmp_path):
 # ---- inside a real Trainer with GPOModule --------------------------------------------------------------------
 
 
-def test_writes_samples_during_a_real_run_and_resumes_the_schedule(tmp_path, monkeypatch):
-    warnings.filterwarnings("ignore", module="lightning")
-    model = str(save_tiny_model(tmp_path / "model"))
-    data = str(write_jsonl(make_task("sort_digits", 64, seed=0), tmp_path / "train.jsonl"))
+def test_writes_samples_during_a_real_run_and_resumes_the_schedule(tiny_assets, tmp_path, monkeypatch):
+    model, data = tiny_assets
     loggers = default_loggers(str(tmp_path))  # CSV + TensorBoard, as `gpo fit` uses
     texts = []
     monkeypatch.setattr(loggers[1].experiment, "add_text", lambda tag, text, global_step: texts.append(global_step))
 
     def fit(steps, samples, ckpt_path=None):
-        module = GPOModule(
-            model, [positional_match], group_size=4, engine=HFEngine(max_new_tokens=4), optim=Optimization(lr=1e-3),
-            export="none",
-        )  # fmt: skip
-        trainer = L.Trainer(
-            max_steps=steps, logger=loggers, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[samples],
-        )  # fmt: skip
-        trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4), ckpt_path=ckpt_path)
+        trainer = quiet_trainer(steps, [samples], logger=loggers)
+        trainer.fit(tiny_module(model), prompts(model, data), ckpt_path=ckpt_path)
         return trainer
 
     trainer = fit(3, CompletionSamples(every_n_steps=2, num_samples=2))

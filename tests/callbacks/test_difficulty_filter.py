@@ -3,16 +3,16 @@
 import json
 import warnings
 
-import lightning as L
 import pytest
 import torch
+from typing_extensions import override
 
 from gpo.callbacks.difficulty_filter import DifficultyFilter, select_prompts
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.testing import save_tiny_model
-from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.train.hooks import RolloutCallback
 from tests.callbacks.grouped import grouped_rollout
+from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
 class FakeModule:
@@ -161,32 +161,21 @@ def by_prompt(prompts, completions, **_):
     return [REWARDS[p][i % 4] for i, p in enumerate(prompts)]  # rows of a group are adjacent, 4 per group
 
 
-class SeenPrompts(L.Callback):
+class SeenPrompts(RolloutCallback):
     def __init__(self):
         self.steps = []
 
+    @override
     def on_rollout_end(self, trainer, module, rollout):
         self.steps.append(sorted(set(rollout.prompts)))
 
 
 def fit(root, steps, flt, ckpt_path=None):
-    warnings.filterwarnings("ignore", module="lightning")
     model = str(root / "model")
-    module = GPOModule(
-        model, [by_prompt], group_size=4, engine=HFEngine(max_new_tokens=2), optim=Optimization(lr=1e-3), export="none"
-    )
+    module = tiny_module(model, [by_prompt], engine=HFEngine(sampling=Sampling(max_new_tokens=2)))
     seen = SeenPrompts()
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[flt, seen],
-        default_root_dir=root,
-    )
-    data = PromptDataModule(str(root / "train.jsonl"), tokenizer=model, prompts_per_step=3)
-    trainer.fit(module, data, ckpt_path=ckpt_path)
+    trainer = quiet_trainer(steps, [flt, seen], default_root_dir=root)
+    trainer.fit(module, prompts(model, str(root / "train.jsonl"), 3), ckpt_path=ckpt_path)
     return trainer, seen.steps
 
 

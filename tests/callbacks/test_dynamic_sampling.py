@@ -8,14 +8,13 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from gpo.callbacks.dynamic_sampling import DynamicSampling
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.base import Rollout
-from gpo.tasks import make_task, write_jsonl
-from gpo.testing import save_tiny_model
-from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.train.hooks import RolloutCallback, RolloutSource, run_rollout_hooks
+from tests import tiny
 
 
 def make_rollout(rewards: list[list[float]], *, interleave: bool = False, tag: str = "") -> Rollout:
@@ -40,18 +39,17 @@ def make_rollout(rewards: list[list[float]], *, interleave: bool = False, tag: s
     )
 
 
-class FakeModule:
-    """Hands out prepared rollouts, one per ``next_prompt_batch``; records what is logged."""
+class FakeModule(RolloutSource):
+    """Hands out prepared rollouts, one per ``draw_rollout``; records what is logged."""
+
+    device = torch.device("cpu")
 
     def __init__(self, *rollouts: Rollout) -> None:
         self.queue, self.drawn, self.logged = list(rollouts), 0, {}
 
-    def next_prompt_batch(self) -> int:
+    def draw_rollout(self) -> Rollout:
         self.drawn += 1
-        return self.drawn - 1
-
-    def scored_rollout(self, batch: int) -> Rollout:
-        return self.queue[batch]
+        return self.queue[self.drawn - 1]
 
     def log_dict(self, metrics, **kwargs) -> None:
         self.logged = {key.removeprefix("dynamic_sampling/"): value for key, value in metrics.items()}
@@ -183,12 +181,13 @@ def uniform_groups(rollout: Rollout) -> int:
     return sum(int(rollout.reward[rollout.group == g].unique().numel() == 1) for g in rollout.group.unique())
 
 
-class TrainedOn(L.Callback):
+class TrainedOn(RolloutCallback):
     """Placed after DynamicSampling: records the rollout each step goes on to train on."""
 
     def __init__(self) -> None:
         self.groups, self.uniform = [], []
 
+    @override
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.groups.append(rollout.num_groups)
         self.uniform.append(uniform_groups(rollout))
@@ -201,32 +200,17 @@ def first_digit(prompts, completions, answer, **_):
 
 
 def quiet_trainer(steps: int, callbacks: list, **kwargs) -> L.Trainer:
-    warnings.filterwarnings("ignore", module="lightning")
     warnings.filterwarnings("ignore", message="DynamicSampling")
-    return L.Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks, **kwargs,
-    )  # fmt: skip
+    return tiny.quiet_trainer(steps, callbacks, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds")
-    model = save_tiny_model(root / "model", "llama", seed=0)
-    data = write_jsonl(make_task("sort_digits", 500, seed=0), root / "train.jsonl")
-    return str(model), str(data)
-
-
-def test_every_gpo_step_trains_on_exactly_num_groups_informative_groups(workspace):
-    model, data = workspace
+def test_every_gpo_step_trains_on_exactly_num_groups_informative_groups(tiny_assets):
+    model, data = tiny_assets
     L.seed_everything(0)
-    module = GPOModule(
-        model, [first_digit], group_size=8, engine=HFEngine(max_new_tokens=3), optim=Optimization(lr=1e-3),
-        export="none",
-    )  # fmt: skip
+    module = tiny.tiny_module(model, [first_digit], group_size=8, engine=HFEngine(sampling=Sampling(max_new_tokens=3)))
     sampling, trained_on = DynamicSampling(num_groups=3, max_rounds=60), TrainedOn()
     trainer = quiet_trainer(6, [sampling, trained_on])
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    trainer.fit(module, tiny.prompts(model, data, 4))
     assert trainer.global_step == 6
     assert trained_on.groups == [3] * 6 and trained_on.uniform == [0] * 6
     assert sampling.totals["steps"] == 6 and sampling.totals["exhausted_steps"] == 0
@@ -235,22 +219,23 @@ def test_every_gpo_step_trains_on_exactly_num_groups_informative_groups(workspac
     assert logged["dynamic_sampling/groups_kept"] == 3 and logged["dynamic_sampling/groups_drawn"] >= 4
 
 
-def test_gpo_skips_a_step_without_informative_groups(workspace):
-    model, data = workspace
+def test_gpo_skips_a_step_without_informative_groups(tiny_assets):
+    model, data = tiny_assets
 
     def constant(prompts, completions, **_):
         return [1.0] * len(completions)
 
-    module = GPOModule(model, [constant], group_size=2, engine=HFEngine(max_new_tokens=2), export="none")
+    module = tiny.tiny_module(model, [constant], group_size=2, engine=HFEngine(sampling=Sampling(max_new_tokens=2)))
     trainer = quiet_trainer(1, [DynamicSampling(max_rounds=0)], limit_train_batches=2, max_epochs=1)
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+    trainer.fit(module, tiny.prompts(model, data, 2))
     assert trainer.global_step == 0  # both batches skipped: an empty rollout from the hook means no step
     assert trainer.callback_metrics["rollout/skipped"] == 1.0
 
 
-class Bandit(L.LightningModule):
+class Bandit(RolloutSource, L.LightningModule):
     """Not a GPOModule: a policy over ``actions`` answers per prompt, trained by group-mean-baselined REINFORCE on
-    reward 1 for answer ``prompt % actions``. It follows only DynamicSampling's documented contract."""
+    reward 1 for answer ``prompt % actions``. It follows only DynamicSampling's documented contract: it declares
+    ``RolloutSource.draw_rollout`` and runs the rollout hooks with one call."""
 
     def __init__(self, prompts: int = 64, actions: int = 8, group_size: int = 4, batch: int = 4) -> None:
         super().__init__()
@@ -264,8 +249,8 @@ class Bandit(L.LightningModule):
     def train_dataloader(self):
         return DataLoader(torch.arange(self.prompts), batch_size=self.batch, shuffle=True)
 
-    def next_prompt_batch(self) -> torch.Tensor:
-        return torch.randint(self.prompts, (self.batch,), generator=self.extra)
+    def draw_rollout(self) -> Rollout:
+        return self.scored_rollout(torch.randint(self.prompts, (self.batch,), generator=self.extra))
 
     @torch.no_grad()
     def scored_rollout(self, batch: torch.Tensor) -> Rollout:
@@ -279,11 +264,7 @@ class Bandit(L.LightningModule):
         )  # fmt: skip
 
     def training_step(self, batch, batch_idx):
-        rollout = self.scored_rollout(batch)
-        for callback in self.trainer.callbacks:
-            hook = getattr(callback, "on_rollout_end", None)
-            replaced = hook(self.trainer, self, rollout) if hook is not None else None
-            rollout = replaced if replaced is not None else rollout
+        rollout = run_rollout_hooks(self.trainer, self, self.scored_rollout(batch))
         if len(rollout) == 0:
             return  # skip the step: no optimiser step, so global_step stays
         self.trained_on.append(rollout)

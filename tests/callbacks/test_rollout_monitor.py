@@ -5,23 +5,29 @@ import math
 import warnings
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
 from gpo.callbacks.rollout_monitor import RolloutMonitor, unique_ngram_ratio
-from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.models.scorer import TokenScorer
 from gpo.rollout.base import Rollout
-from gpo.tasks import make_task, write_jsonl
-from gpo.testing import save_tiny_model, tiny_model
-from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.testing import tiny_model
+from tests.tiny import prompts, quiet_trainer, tiny_module
+
+
+class GivenEntropy:
+    """A scorer that hands back a given token entropy."""
+
+    def __init__(self, entropy):
+        self.entropy = entropy
+
+    def rollout_scores(self, rollout, *, entropy=False, batch_size=None):
+        return SimpleNamespace(entropy=self.entropy)
 
 
 class FakeModule:
-    def __init__(self, model=None):
-        self.logged, self.model, self.temperature = {}, model, 1.0
+    def __init__(self, scorer=None):
+        self.logged, self.scorer = {}, scorer
 
     def log_dict(self, metrics, **kwargs):
         self.logged = dict(metrics)
@@ -45,11 +51,12 @@ def make_rollout(ids, mask, group, reward, truncated=None, prompt_len=1):
     )
 
 
-def run_step(monitor, rollout, step=0, **metrics):
-    """on_rollout_end then on_train_batch_end, as in a training step; returns what was logged."""
-    module = FakeModule()
+def run_step(monitor, rollout, metrics=None, step=0, token_entropy=None):
+    """on_rollout_end then on_train_batch_end, as in a training step that logged ``metrics``, with the module's
+    scorer giving ``token_entropy[B, T]``; returns what the monitor logged."""
+    module = FakeModule(GivenEntropy(token_entropy))
     monitor.on_rollout_end(fake_trainer(step), module, rollout)
-    monitor.on_train_batch_end(fake_trainer(step, **metrics), module, None, None, 0)
+    monitor.on_train_batch_end(fake_trainer(step, **(metrics or {})), module, None, None, 0)
     return module.logged
 
 
@@ -61,8 +68,8 @@ GROUP = [0, 0, 1, 1]
 
 def test_statistics_of_a_hand_worked_rollout():
     rollout = make_rollout(IDS, MASK, GROUP, [1.0, 1.0, 0.0, 1.0], truncated=[False, True, False, True])
-    rollout.token_entropy = torch.tensor([[1.0] * 4, [2.0] * 4, [3.0, 3.0, 3.0, 99.0], [0.0] * 4])
-    logged = run_step(RolloutMonitor(ngram=2), rollout)
+    entropy = torch.tensor([[1.0] * 4, [2.0] * 4, [3.0, 3.0, 3.0, 99.0], [0.0] * 4])
+    logged = run_step(RolloutMonitor(ngram=2, compute_entropy=True), rollout, token_entropy=entropy)
     expected = {
         "monitor/entropy": (4 * 1 + 4 * 2 + 3 * 3 + 4 * 0) / 15,  # the 99 sits on padding
         "monitor/len_mean": (4 + 4 + 3 + 4) / 4,
@@ -102,13 +109,12 @@ def test_unique_ngram_ratio_is_nan_without_ngrams():
 
 
 def signals(entropy_low=False, diversity_low=False, width_low=False):
-    """Two groups of four, 3 tokens each. High: entropy 2, every bigram distinct (ratio 1), group rewards 0 0 1 1
-    (std 0.5). Low: entropy 0.5, every completion [5 6 7] (2 distinct bigrams of 8: 0.25), rewards all 1 (std 0)."""
+    """Two groups of four, 3 tokens each, and the entropy the module logs. High: entropy 2, every bigram distinct
+    (ratio 1), group rewards 0 0 1 1 (std 0.5). Low: entropy 0.5, every completion [5 6 7] (2 distinct bigrams of 8:
+    0.25), rewards all 1 (std 0)."""
     ids = [[5, 6, 7]] * 8 if diversity_low else [[10 + 3 * r, 11 + 3 * r, 12 + 3 * r] for r in range(8)]
     reward = [1.0] * 8 if width_low else [0.0, 0.0, 1.0, 1.0] * 2
-    rollout = make_rollout(ids, [[1, 1, 1]] * 8, [0] * 4 + [1] * 4, reward)
-    rollout.token_entropy = torch.full((8, 3), 0.5 if entropy_low else 2.0)
-    return rollout
+    return make_rollout(ids, [[1, 1, 1]] * 8, [0] * 4 + [1] * 4, reward), {"entropy": 0.5 if entropy_low else 2.0}
 
 
 ALL_LOW = {"entropy_low": True, "diversity_low": True, "width_low": True}
@@ -117,12 +123,12 @@ ALL_LOW = {"entropy_low": True, "diversity_low": True, "width_low": True}
 def test_collapse_warning_fires_after_patience_steps_of_all_three_low_and_once_per_episode():
     monitor = RolloutMonitor(ngram=2, warmup=2, patience=2, collapse_fraction=0.5)
     for step in range(2):
-        run_step(monitor, signals(), step)  # warmup: peaks 2, 1, 0.5
+        run_step(monitor, *signals(), step)  # warmup: peaks 2, 1, 0.5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert run_step(monitor, signals(**ALL_LOW), 2)["monitor/collapse_streak"] == 1.0
+        assert run_step(monitor, *signals(**ALL_LOW), 2)["monitor/collapse_streak"] == 1.0
     with pytest.warns(UserWarning, match="collapse") as caught:
-        logged = run_step(monitor, signals(**ALL_LOW), 3)
+        logged = run_step(monitor, *signals(**ALL_LOW), 3)
     assert len(caught) == 1 and logged["monitor/collapse"] == 1.0
     message = str(caught[0].message)
     assert "possible collapse at step 3" in message and "for 2 consecutive steps" in message
@@ -130,11 +136,11 @@ def test_collapse_warning_fires_after_patience_steps_of_all_three_low_and_once_p
         assert part in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert run_step(monitor, signals(**ALL_LOW), 4)["monitor/collapse"] == 1.0  # same episode: no repeat
-        assert run_step(monitor, signals(), 5)["monitor/collapse"] == 0.0  # recovery re-arms the warning
-        run_step(monitor, signals(**ALL_LOW), 6)
+        assert run_step(monitor, *signals(**ALL_LOW), 4)["monitor/collapse"] == 1.0  # same episode: no repeat
+        assert run_step(monitor, *signals(), 5)["monitor/collapse"] == 0.0  # recovery re-arms the warning
+        run_step(monitor, *signals(**ALL_LOW), 6)
     with pytest.warns(UserWarning, match="possible collapse at step 7"):
-        run_step(monitor, signals(**ALL_LOW), 7)
+        run_step(monitor, *signals(**ALL_LOW), 7)
 
 
 @pytest.mark.parametrize(
@@ -150,30 +156,28 @@ def test_collapse_warning_fires_after_patience_steps_of_all_three_low_and_once_p
 )
 def test_no_warning_when_only_one_or_two_signals_fall(low):
     monitor = RolloutMonitor(ngram=2, warmup=1, patience=2)
-    run_step(monitor, signals())
+    run_step(monitor, *signals())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step in range(1, 10):
-            assert run_step(monitor, signals(**low), step)["monitor/collapse_streak"] == 0.0
+            assert run_step(monitor, *signals(**low), step)["monitor/collapse_streak"] == 0.0
 
 
 def test_no_collapse_is_judged_during_warmup():
     monitor = RolloutMonitor(ngram=2, warmup=3, patience=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for step, rollout in enumerate([signals(), signals(**ALL_LOW), signals(**ALL_LOW)]):
-            assert run_step(monitor, rollout, step)["monitor/collapse_streak"] == 0.0
+        for step, signal in enumerate([signals(), signals(**ALL_LOW), signals(**ALL_LOW)]):
+            assert run_step(monitor, *signal, step)["monitor/collapse_streak"] == 0.0
     with pytest.warns(UserWarning, match="at step 3"):
-        run_step(monitor, signals(**ALL_LOW), 3)
+        run_step(monitor, *signals(**ALL_LOW), 3)
 
 
 def test_entropy_from_the_logged_metric_and_without_any_source():
     def without_entropy(**kwargs):
-        rollout = signals(**kwargs)
-        del rollout.token_entropy
-        return rollout
+        return signals(**kwargs)[0]
 
-    logged = run_step(RolloutMonitor(), without_entropy(), entropy=torch.tensor(0.7))
+    logged = run_step(RolloutMonitor(), without_entropy(), {"entropy": torch.tensor(0.7)})
     assert logged["monitor/entropy"] == pytest.approx(0.7)
 
     monitor = RolloutMonitor(ngram=2, warmup=1, patience=1, entropy_metric=None)
@@ -182,7 +186,7 @@ def test_entropy_from_the_logged_metric_and_without_any_source():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no collapse without entropy, and the missing entropy is reported once
         for step in range(1, 4):
-            logged = run_step(monitor, without_entropy(diversity_low=True, width_low=True), step)
+            logged = run_step(monitor, without_entropy(diversity_low=True, width_low=True), None, step)
     assert logged["monitor/collapse_streak"] == 0.0
 
 
@@ -198,7 +202,8 @@ def test_computed_entropy_matches_a_full_softmax_reference():
         logp = logits.double().log_softmax(-1)
         reference = float((-(logp.exp() * logp).sum(-1) * mask).sum() / mask.sum())
     for batch_size in (None, 1):
-        monitor, module = RolloutMonitor(compute_entropy=True, entropy_batch_size=batch_size), FakeModule(model)
+        scorer = TokenScorer(model)
+        monitor, module = RolloutMonitor(compute_entropy=True, entropy_batch_size=batch_size), FakeModule(scorer)
         monitor.on_rollout_end(fake_trainer(), module, rollout)
         monitor.on_train_batch_end(fake_trainer(entropy=torch.tensor(-1.0)), module, None, None, 0)
         assert module.logged["monitor/entropy"] == pytest.approx(reference, rel=1e-5)
@@ -221,9 +226,9 @@ def test_invalid_arguments_name_the_field(kwargs, message):
 
 def test_state_dict_round_trip_continues_the_streak(tmp_path):
     monitor = RolloutMonitor(ngram=2, warmup=1, patience=3)
-    run_step(monitor, signals(), 0)
+    run_step(monitor, *signals(), 0)
     for step in (1, 2):
-        run_step(monitor, signals(**ALL_LOW), step)
+        run_step(monitor, *signals(**ALL_LOW), step)
     torch.save(monitor.state_dict(), tmp_path / "state.pt")
     restored = RolloutMonitor(ngram=2, warmup=1, patience=3)
     restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
@@ -238,31 +243,17 @@ def test_state_dict_round_trip_continues_the_streak(tmp_path):
         }
     )
     with pytest.warns(UserWarning, match="possible collapse at step 3"):
-        run_step(restored, signals(**ALL_LOW), 3)
+        run_step(restored, *signals(**ALL_LOW), 3)
 
 
 # ---- inside a real Trainer with GPOModule --------------------------------------------------------------------
 
 
-def test_monitors_a_real_run_and_saves_its_state(tmp_path):
-    warnings.filterwarnings("ignore", module="lightning")
-    model = str(save_tiny_model(tmp_path / "model"))
-    data = str(write_jsonl(make_task("sort_digits", 64, seed=0), tmp_path / "train.jsonl"))
-    module = GPOModule(
-        model, [positional_match], group_size=4, engine=HFEngine(max_new_tokens=4), optim=Optimization(lr=1e-3),
-        export="none",
-    )  # fmt: skip
+def test_monitors_a_real_run_and_saves_its_state(tiny_assets, tmp_path):
+    model, data = tiny_assets
     monitor = RolloutMonitor(compute_entropy=True, warmup=1)
-    trainer = L.Trainer(
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    trainer = quiet_trainer(3, [monitor], default_root_dir=tmp_path)
+    trainer.fit(tiny_module(model), prompts(model, data))
     logged = trainer.callback_metrics
     # one update per step and no dropout: the training pass saw the same policy and tokens as the monitor
     assert float(logged["monitor/entropy"]) == pytest.approx(float(logged["entropy"]), rel=1e-4)

@@ -8,14 +8,19 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+from typing_extensions import override
 
 from gpo.callbacks import VLLMWeightSync
 from gpo.models.loading import LoraSettings
-from gpo.models.scorer import completion_logprobs
+from gpo.models.scorer import score_tokens
+from gpo.rollout import Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.train.hooks import RolloutCallback
+from gpo.train.module import GPOModule
+from gpo.train.optimization import Optimization
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
 
 TEMPERATURE = 0.8
@@ -29,7 +34,7 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_vllm_engine(temperature=TEMPERATURE, max_new_tokens=4)
+    return tiny_vllm_engine(sampling=Sampling(temperature=TEMPERATURE, max_new_tokens=4))
 
 
 def digit_fraction(prompts, completions, **_):
@@ -40,11 +45,11 @@ def digit_fraction(prompts, completions, **_):
 @torch.no_grad()
 def max_abs_diff(model, rollout, temperature) -> float:
     width = rollout.completion_ids.shape[1]
-    out, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, width, temperature=temperature)
+    out = score_tokens(model, rollout.input_ids, rollout.attention_mask, width, temperature=temperature)
     return float((out.logp - rollout.logp)[rollout.completion_mask.bool()].abs().max())
 
 
-class MismatchRecorder(L.Callback):
+class MismatchRecorder(RolloutCallback):
     """Per step: the largest |rollout logp - trainer logp| over the step's completion tokens (measured here,
     independently of the module's metrics), the same against the previous step's weights (how far the step moved
     them), the module's logged mismatch, and the weight-sync metrics."""
@@ -53,12 +58,15 @@ class MismatchRecorder(L.Callback):
         self.measured, self.moved, self.logged, self.sync_metrics = [], [], [], []
         self.previous = None
 
+    @override
     def on_rollout_end(self, trainer, module, rollout):
-        self.measured.append(max_abs_diff(module.model, rollout, module.temperature))
+        temperature = module.engine.sampling.temperature
+        self.measured.append(max_abs_diff(module.model, rollout, temperature))
         if self.previous is not None:
-            self.moved.append(max_abs_diff(self.previous, rollout, module.temperature))
+            self.moved.append(max_abs_diff(self.previous, rollout, temperature))
         self.previous = copy.deepcopy(module.model)
 
+    @override
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
         self.logged.append(float(metrics["mismatch/abs_diff_max"]))
@@ -100,7 +108,8 @@ def test_engine_logprobs_equal_the_trainers_after_each_optimiser_step(assets, en
 
 @needs_vllm
 def test_verification_fails_loudly_when_the_weights_are_not_pushed(assets, engine, monkeypatch):
-    engine.update_weights(GPOModule(assets[0], [digit_fraction]).policy.state_dict().items())  # the start weights
+    start = AutoModelForCausalLM.from_pretrained(assets[0])
+    engine.update_weights(start.state_dict().items())  # the start weights
     stale = copy.copy(engine)
     monkeypatch.setattr(stale, "update_weights", lambda named_tensors: None)
     sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)

@@ -30,7 +30,7 @@ def fit(root: Path, out: str, steps: int, *extra: str) -> list[dict[str, str]]:
     args = ["fit", f"--config={MULTITURN}", *extra, f"--model.policy={root / 'model'}"]
     args += [f"--data.path={root / 'train.jsonl'}", "--data.val_path=null", "--trainer.val_check_interval=1.0"]
     args += [f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
-    args += ["--trainer.enable_checkpointing=false", "--model.export=none", f"--trainer.default_root_dir={root / out}"]
+    args += ["--trainer.enable_checkpointing=false", "--export=none", f"--trainer.default_root_dir={root / out}"]
     main(args)
     metrics = next((root / out).rglob("metrics.csv"))
     return [row for row in csv.DictReader(metrics.open()) if row.get("reward/mean")]
@@ -74,24 +74,32 @@ model:
 
 
 def test_step_rewards_add_each_turns_advantage_to_its_tokens(assets, monkeypatch):
-    from gpo.train.module import GPOModule
+    from gpo.algo import StepRewards
+    from gpo.train.learner import Learner
 
     seen = []
-    optimise = GPOModule._optimise
+    update = Learner.update
 
-    def capture(self, rollout, adv, mask):
+    def capture(self, rollout, adv, mask, backend):
         seen.append((rollout, adv.clone(), mask.clone()))
-        return optimise(self, rollout, adv, mask)
+        return update(self, rollout, adv, mask, backend)
 
-    monkeypatch.setattr(GPOModule, "_optimise", capture)
-    stepwise = ["--model.engine.init_args.step_rewards_mode=decision_stepwise", "--model.knobs.use_ppo_clip=true"]
-    fit(assets, "stepwise", 2, "--model.engine.init_args.env.init_args.high=4", *stepwise)
+    monkeypatch.setattr(Learner, "update", capture)
+    stepwise = ["--model.step_rewards.mode=decision_stepwise", "--model.algorithm=GRPO"]
+    fit(
+        assets,
+        "stepwise",
+        2,
+        "--model.engine.init_args.env.init_args.high=4",
+        *stepwise,
+        "--model.algorithm.ppo_clip.clip_low=0.4",
+    )
     varies = False
     for rollout, adv, mask in seen:
-        assert rollout.turn_adv is not None
-        sequence_part = (adv - rollout.turn_adv * mask) * mask  # what is left: one sequence advantage per row
+        turn_adv = StepRewards(mode="decision_stepwise")(rollout.turn_rewards, rollout.group, rollout.turn_index)
+        sequence_part = (adv - turn_adv * mask) * mask  # what is left: one sequence advantage per row
         for row in range(len(rollout)):
             on = mask[row].bool()
             assert torch.allclose(sequence_part[row][on], sequence_part[row][on][:1].expand(int(on.sum())))
-            varies |= bool(rollout.turn_adv[row][on].unique().numel() > 1)
+            varies |= bool(turn_adv[row][on].unique().numel() > 1)
     assert varies, "no episode had turns with different credit: the check above proved nothing"

@@ -3,9 +3,10 @@ from typing import ClassVar
 import pytest
 import torch
 
+from gpo.algo import StepRewards
 from gpo.envs import Environment, NumberGuess, Step
-from gpo.models.scorer import completion_logprobs
-from gpo.rollout import HFEngine, MultiTurnEngine, RolloutEngine
+from gpo.models.scorer import score_tokens
+from gpo.rollout import HFEngine, MultiTurnEngine, RolloutEngine, Sampling
 from gpo.rollout.base import concat_rollouts
 from gpo.testing import char_tokenizer, tiny_model
 
@@ -53,7 +54,7 @@ def model_and_tokenizer():
 
 
 def engine(model_and_tokenizer, env, **kwargs):
-    inner = Recording(HFEngine(max_new_tokens=3, temperature=1.0))
+    inner = Recording(HFEngine(sampling=Sampling(max_new_tokens=3, temperature=1.0)))
     e = MultiTurnEngine(engine=inner, env=env, **kwargs)
     e.setup(*model_and_tokenizer)
     return e, inner
@@ -88,7 +89,7 @@ def test_logprobs_are_the_samplers_on_policy_tokens_and_match_the_trainer(model_
     policy = rollout.loss_mask.bool()
     assert torch.all(rollout.logp[~policy] == 0) and torch.all(rollout.logp[policy] < 0)
     # the trainer scores the whole transcript at once: same ids, same contexts, so the same log-probs
-    scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1])
+    scored = score_tokens(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1])
     torch.testing.assert_close(scored.logp[policy], rollout.logp[policy], atol=1e-5, rtol=1e-5)
 
 
@@ -114,30 +115,36 @@ def test_a_group_plays_one_episode_seed_and_episodes_stop_when_done(model_and_to
 
 def test_step_reward_modes(model_and_tokenizer):
     _, tok = model_and_tokenizer
-    prompts = [tok("p").input_ids]
-    off, _ = engine(model_and_tokenizer, Echo(), max_turns=3)
-    assert off.generate(prompts, 2, seed=0).turn_adv is None
+    e, inner = engine(model_and_tokenizer, Echo(), max_turns=3)
+    rollout = e.generate([tok("p").input_ids], 2, seed=0)
+    assert rollout.turn_rewards.tolist() == [[0.0, 0.5, 1.0]] * 2  # Echo: each turn's step reward
+    for row in range(2):  # every policy token knows its turn, environment tokens are -1
+        turns = [turn for turn, call in enumerate(inner.calls) for _ in call[row]]
+        assert rollout.turn_index[row][rollout.loss_mask[row].bool()].tolist() == turns
+        assert (rollout.turn_index[row][~rollout.loss_mask[row].bool()] == -1).all()
     # Both episodes get rewards 0, .5, 1. decision_stepwise: credit = reward, group mean .5; beta 2: -1, 0, +1.
     # env_sparse: credit = reward-to-go 1.5, 1.5, 1, group mean 4/3; beta 3: .5, .5, -1.
     for mode, beta, per_turn in (("decision_stepwise", 2.0, [-1.0, 0.0, 1.0]), ("env_sparse", 3.0, [0.5, 0.5, -1.0])):
-        e, inner = engine(model_and_tokenizer, Echo(), max_turns=3, step_rewards_mode=mode, step_rewards_beta=beta)
-        rollout = e.generate(prompts, 2, seed=0)
+        adv = StepRewards(mode=mode, beta=beta)(rollout.turn_rewards, rollout.group, rollout.turn_index)
         for row in range(2):
             expected = [v for turn, v in enumerate(per_turn) for _ in inner.calls[turn][row]]  # each turn's tokens
-            values = rollout.turn_adv[row][rollout.loss_mask[row].bool()]
+            values = adv[row][rollout.loss_mask[row].bool()]
             torch.testing.assert_close(values, torch.tensor(expected), atol=1e-6, rtol=0)
-            assert torch.all(rollout.turn_adv[row][~rollout.loss_mask[row].bool()] == 0)
+            assert torch.all(adv[row][~rollout.loss_mask[row].bool()] == 0)
 
 
-def test_select_and_concat_keep_the_loss_mask(model_and_tokenizer):
+def test_select_and_concat_keep_the_loss_mask_and_the_turn_records(model_and_tokenizer):
     _, tok = model_and_tokenizer
-    e, _ = engine(model_and_tokenizer, Echo(), max_turns=2, step_rewards_mode="decision_stepwise")
+    e, _ = engine(model_and_tokenizer, Echo(), max_turns=2)
     rollout = e.generate([tok("p").input_ids, tok("qq").input_ids], 2, seed=0)
     picked = rollout.select([3, 0])
     assert torch.equal(picked.loss_mask, rollout.loss_mask[[3, 0]])
-    assert torch.equal(picked.turn_adv, rollout.turn_adv[[3, 0]])
+    assert torch.equal(picked.turn_index, rollout.turn_index[[3, 0]])
     joined = concat_rollouts([rollout, picked])
-    assert torch.equal(joined.loss_mask[4:], picked.loss_mask) and joined.turn_adv.shape == joined.completion_ids.shape
+    assert (
+        torch.equal(joined.loss_mask[4:], picked.loss_mask) and joined.turn_index.shape == joined.completion_ids.shape
+    )
+    torch.testing.assert_close(joined.turn_rewards[4:], picked.turn_rewards, equal_nan=True)
     assert torch.equal(rollout.to("cpu").loss_mask, rollout.loss_mask)
 
 
@@ -146,5 +153,5 @@ def test_bad_settings():
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_turns=0)
     with pytest.raises(ValueError, match="max_concurrent_rollouts=0"):
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_concurrent_rollouts=0)
-    with pytest.raises(ValueError, match="choose one of off"):
-        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), step_rewards_mode="dense")
+    with pytest.raises(TypeError):
+        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), step_rewards_mode="dense")  # now gpo.algo.StepRewards

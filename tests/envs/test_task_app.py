@@ -8,7 +8,7 @@ import torch
 
 from gpo.envs import NumberGuess, TaskApp, TaskAppError
 from gpo.envs.task_app import make_app
-from gpo.rollout import HFEngine, MultiTurnEngine
+from gpo.rollout import HFEngine, MultiTurnEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_model
 from tests.envs.servers import Faults, post_json, serve, with_faults
 from tests.ports import free_port
@@ -22,7 +22,7 @@ def model_and_tokenizer():
 
 
 def play(model_and_tokenizer, env, *, prompts=2, n=3, **kwargs):
-    e = MultiTurnEngine(engine=HFEngine(max_new_tokens=2), env=env, max_turns=3, **kwargs)
+    e = MultiTurnEngine(engine=HFEngine(sampling=Sampling(max_new_tokens=2)), env=env, max_turns=3, **kwargs)
     e.setup(*model_and_tokenizer)
     _, tok = model_and_tokenizer
     return e.generate([tok("guess 1-8:").input_ids] * prompts, n, seed=3)

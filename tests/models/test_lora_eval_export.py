@@ -6,14 +6,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpo.algo import KLPenalty
+from gpo.callbacks import ExportPolicy
 from gpo.models.loading import LoraSettings, check_trainer_mode
-from gpo.models.scorer import completion_logprobs
-from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.models.scorer import score_tokens
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
-from gpo.train.module import Evaluation, GPOModule, Optimization
+from gpo.train.evaluation import Evaluation
+from gpo.train.optimization import Optimization
+from tests.tiny import tiny_module
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def workspace(tmp_path_factory):
     return root, str(model), str(data)
 
 
-def fit(module, workspace, steps, tag, **trainer_kwargs):
+def fit(module, workspace, steps, tag, export="merged", **trainer_kwargs):
     root, model, data = workspace
     trainer = L.Trainer(
         max_steps=steps,
@@ -32,6 +33,7 @@ def fit(module, workspace, steps, tag, **trainer_kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[ExportPolicy(mode=export)],
         **trainer_kwargs,
     )
     trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4, val_size=8))
@@ -41,25 +43,16 @@ def fit(module, workspace, steps, tag, **trainer_kwargs):
 def sample_logp(model, ids):
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        return completion_logprobs(model, ids, mask, 3)[0].logp
+        return score_tokens(model, ids, mask, 3).logp
 
 
 def test_lora_trains_only_the_adapter_and_uses_it_as_reference_switch(workspace):
     _, model, _ = workspace
-    module = GPOModule(
-        model,
-        [positional_match],
-        group_size=4,
-        engine=HFEngine(max_new_tokens=3),
-        optim=Optimization(lr=1e-2),
-        trainer_mode="lora",
-        lora=LoraSettings(r=4, alpha=8, dropout=0.0),
-        kl=KLPenalty(beta=0.05),
-        export="adapter",
-    )
-    assert module.reference is None  # no second copy: the reference is the adapter switched off
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0)
+    module = tiny_module(model, optim=Optimization(lr=1e-2), trainer_mode="lora", lora=lora, kl=KLPenalty(beta=0.05))
+    assert module.scorer.reference is None  # no second copy: the reference is the adapter switched off
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-    trainer = fit(module, workspace, 10, "lora", limit_val_batches=0)
+    trainer = fit(module, workspace, 10, "lora", export="adapter", limit_val_batches=0)
     changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     assert "kl/mean" in trainer.callback_metrics
@@ -73,14 +66,7 @@ def test_lora_trains_only_the_adapter_and_uses_it_as_reference_switch(workspace)
 
 def test_full_run_exports_a_folder_transformers_loads_and_evaluates(workspace):
     _, model, _ = workspace
-    module = GPOModule(
-        model,
-        [positional_match],
-        group_size=4,
-        engine=HFEngine(max_new_tokens=3),
-        optim=Optimization(lr=1e-3),
-        evaluation=Evaluation(samples=2, pass_threshold=0.5),
-    )
+    module = tiny_module(model, evaluation=Evaluation(samples=2, pass_threshold=0.5))
     trainer = fit(module, workspace, 4, "full", val_check_interval=2)
     logged = trainer.callback_metrics
     for key in ("val/reward_greedy", "val/pass@1_greedy", "val/reward_sampled", "val/pass@1_sampled"):

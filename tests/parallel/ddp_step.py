@@ -16,13 +16,13 @@ from unittest import mock
 import lightning as L
 import torch
 
-from gpo.algo import AlgorithmKnobs, SequenceMean, TokenMean
-from gpo.rollout.base import Rollout, RolloutEngine
+from gpo.algo import BatchWhitenedAdvantage, ClipGate, Custom, SequenceMean, TokenMean
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
-from gpo.train.settings import Optimization
+from gpo.train.optimization import Optimization
 
 LR = 0.5
 PROMPTS_PER_STEP, GROUP_SIZE, WORLD_SIZE = 4, 4, 2
@@ -44,6 +44,7 @@ class FixedEngine(RolloutEngine):
     unless ``(sum(p) + k) % 3 == 0`` (those are cut off, truncated)."""
 
     shares_policy_weights = True
+    sampling = Sampling(max_new_tokens=5)
 
     def generate(self, prompt_ids, n, *, greedy=False, seed=None, logprobs=False) -> Rollout:
         prompts, completions, truncated = [], [], []
@@ -73,14 +74,12 @@ class SGDModule(GPOModule):
 
 CASES = {
     # GRPO's group-normalised advantage with the token-count normaliser
-    "grpo_token_mean": {"algorithm": "grpo", "aggregator": TokenMean()},
+    "grpo_token_mean": {"algorithm": Custom(aggregator=TokenMean())},
     # REINFORCE++: group-centred rewards whitened over the whole batch; token-count normaliser
-    "reinforce_pp": {"algorithm": "reinforce_pp", "aggregator": TokenMean()},
+    "reinforce_pp": {"algorithm": Custom(advantage=BatchWhitenedAdvantage(), aggregator=TokenMean())},
     # two optimiser steps per batch (PPO clipping), micro-batches of 3 rows, sequence-count normaliser
     "two_minibatches": {
-        "algorithm": "grpo",
-        "knobs": AlgorithmKnobs(use_ppo_clip=True),
-        "aggregator": SequenceMean(),
+        "algorithm": Custom(gate=ClipGate(clip_low=0.4, clip_high=0.5), aggregator=SequenceMean()),
         "optim": {"number_of_minibatches": 2, "micro_batch_size": 3},
     },
 }
@@ -98,14 +97,19 @@ def write_assets(root: Path) -> None:
     write_jsonl(make_task("sort_digits", 16, seed=0), root / "train.jsonl")
 
 
-def step(case: str, root: Path, devices: int, naive: str | None = None) -> dict:
-    """Take one training step of ``case``; returns the logged loss and the update of every parameter."""
+def sgd_module(case: str, root: Path) -> SGDModule:
+    """The module of ``case``: plain SGD, no gradient clipping, old log-probs from the trainer."""
     kwargs = dict(CASES[case])
     optim = Optimization(lr=LR, max_grad_norm=None, **kwargs.pop("optim", {}))
-    module = SGDModule(
+    return SGDModule(
         str(root / "model"), [digit_sum], engine=FixedEngine(), group_size=GROUP_SIZE, optim=optim,
-        ppo_clip_ref_logprobs="batch", export="none", **kwargs,
+        old_logprobs="trainer", **kwargs,
     )  # fmt: skip
+
+
+def step(case: str, root: Path, devices: int, naive: str | None = None) -> dict:
+    """Take one training step of ``case``; returns the logged loss and the update of every parameter."""
+    module = sgd_module(case, root)
     data = PromptDataModule(str(root / "train.jsonl"), tokenizer=str(root / "model"), prompts_per_step=PROMPTS_PER_STEP)
     before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
     trainer = L.Trainer(

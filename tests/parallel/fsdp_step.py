@@ -18,16 +18,15 @@ from gpo.models.weights import full_tensor
 from gpo.parallel.fsdp import FullyShardedStrategy
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
-from gpo.train.settings import Optimization
+from gpo.train.optimization import Optimization
 from tests.parallel.ddp_step import (
     CASES,
     GROUP_SIZE,
-    LR,
     PROMPTS_PER_STEP,
     WORLD_SIZE,
     FixedEngine,
-    SGDModule,
     digit_sum,
+    sgd_module,
 )
 
 RESUME_STEPS, CHECKPOINT_STEP = 3, 2
@@ -54,12 +53,7 @@ def whole(module: GPOModule) -> dict[str, torch.Tensor]:
 
 def step(case: str, root: Path) -> dict:
     """``ddp_step.step`` under FSDP2: the logged loss, the update of every parameter, and whether it was sharded."""
-    kwargs = dict(CASES[case])
-    optim = Optimization(lr=LR, max_grad_norm=None, **kwargs.pop("optim", {}))
-    module = SGDModule(
-        str(root / "model"), [digit_sum], engine=FixedEngine(), group_size=GROUP_SIZE, optim=optim,
-        ppo_clip_ref_logprobs="batch", export="none", **kwargs,
-    )  # fmt: skip
+    module = sgd_module(case, root)
     before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
     fitted = trainer(1)
     fitted.fit(module, data(root))
@@ -76,13 +70,13 @@ def adamw_run(root: Path, max_steps: int, *, checkpoints: Path | None = None, re
     from gpo.algo import KLPenalty
 
     module = GPOModule(
-        str(root / "model"), [digit_sum], engine=FixedEngine(), group_size=GROUP_SIZE, export="none",
+        str(root / "model"), [digit_sum], engine=FixedEngine(), group_size=GROUP_SIZE,
         optim=Optimization(lr=1e-2, max_grad_norm=0.5), kl=KLPenalty(beta=0.1),
     )  # fmt: skip
     fitted = trainer(max_steps, checkpoints)
     fitted.fit(module, data(root), ckpt_path=str(resume) if resume else None)
-    reference_sharded = isinstance(module.reference, FSDPModule) and all(
-        hasattr(p, "full_tensor") for p in module.reference.parameters()
+    reference_sharded = isinstance(module.scorer.reference, FSDPModule) and all(
+        hasattr(p, "full_tensor") for p in module.scorer.reference.parameters()
     )  # resharded after use: DTensor shards
     return {"params": whole(module), "global_step": fitted.global_step, "reference_sharded": reference_sharded}
 

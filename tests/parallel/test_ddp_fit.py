@@ -35,15 +35,15 @@ trainer:
       init_args: {{every_n_train_steps: 4, save_top_k: -1}}
     - class_path: gpo.callbacks.DynamicSampling
       init_args: {{max_rounds: 2}}
+export: none
 model:
   policy: {root}/model
   rewards: [tests.parallel.ddp_step.even_digit_sum]
   group_size: 4
-  knobs: {{use_ppo_clip: true}}
+  algorithm: {{class_path: gpo.algo.GRPO, init_args: {{ppo_clip: {{}}}}}}
   entropy: {{coef: 0.01}}
-  engine: {{class_path: gpo.rollout.HFEngine, init_args: {{max_new_tokens: 4}}}}
+  engine: {{class_path: gpo.rollout.HFEngine, init_args: {{sampling: {{max_new_tokens: 4}}}}}}
   optim: {{lr: 1.0e-3, number_of_minibatches: 2}}
-  export: none
 data:
   path: {root}/train.jsonl
   prompts_per_step: 4

@@ -9,6 +9,7 @@ import torch
 from gpo.callbacks import DynamicSampling
 from gpo.parallel import collectives
 from gpo.train.data import EpochOrder, PromptDataModule
+from gpo.train.hooks import RolloutSource
 from gpo.train.preflight import check_minibatches
 
 
@@ -61,9 +62,9 @@ def test_minibatches_that_do_not_divide_a_ranks_share_are_refused_with_the_valid
 
 
 def test_dynamic_sampling_num_groups_is_global_and_must_split_over_the_processes():
-    DynamicSampling(num_groups=4).setup(SimpleNamespace(world_size=2), None, "fit")
+    DynamicSampling(num_groups=4).setup(SimpleNamespace(world_size=2), RolloutSource(), "fit")
     with pytest.raises(ValueError, match=r"num_groups=3 is global.*2 processes"):
-        DynamicSampling(num_groups=3).setup(SimpleNamespace(world_size=2), None, "fit")
+        DynamicSampling(num_groups=3).setup(SimpleNamespace(world_size=2), RolloutSource(), "fit")
 
 
 def test_without_a_process_group_every_collective_returns_its_input():

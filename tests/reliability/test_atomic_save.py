@@ -16,7 +16,7 @@ import torch
 
 from gpo.callbacks import ResumeCheckpoint
 from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.checkpointing import CheckpointError, atomic_torch_save, load_checkpoint_file
@@ -93,7 +93,9 @@ def test_a_checkpoint_folder_removed_mid_run_is_recreated_at_the_next_save(tmp_p
     model = save_tiny_model(tmp_path / "model", "llama")
     data = write_jsonl(make_task("sort_digits", 16), tmp_path / "train.jsonl")
     folder = tmp_path / "checkpoints"
-    module = GPOModule(str(model), [positional_match], group_size=2, engine=HFEngine(max_new_tokens=2))
+    module = GPOModule(
+        str(model), [positional_match], group_size=2, engine=HFEngine(sampling=Sampling(max_new_tokens=2))
+    )
     trainer = L.Trainer(
         max_steps=3,
         logger=False,

@@ -9,12 +9,12 @@ import lightning as L
 import pytest
 import torch
 
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
-from gpo.train.settings import Optimization
+from gpo.train.optimization import Optimization
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ class Snapshots(L.Callback):
 
 def poison(module: GPOModule, batches: set[int], where: str) -> None:
     """Make the loss (``where="loss"``) or one parameter's gradient (``"grad"``) non-finite on those batches."""
-    original = module._micro_loss
+    original = module.learner._micro_loss
     armed = [False]
     parameter = module.model.model.layers[0].mlp.up_proj.weight
     parameter.register_hook(lambda grad: torch.full_like(grad, float("inf")) if armed[0] else grad)
@@ -49,7 +49,7 @@ def poison(module: GPOModule, batches: set[int], where: str) -> None:
         armed[0] = hit and where == "grad"
         return (loss * float("nan") if hit and where == "loss" else loss), metrics
 
-    module._micro_loss = poisoned
+    module.learner._micro_loss = poisoned
 
 
 def length(prompts, completions, **_):
@@ -61,7 +61,11 @@ def fit(workspace, steps: int, batches: set[int], where: str, **optim) -> tuple[
     model, data = workspace
     L.seed_everything(0)
     module = GPOModule(
-        model, [length], group_size=4, engine=HFEngine(max_new_tokens=3), optim=Optimization(lr=1e-3, **optim)
+        model,
+        [length],
+        group_size=4,
+        engine=HFEngine(sampling=Sampling(max_new_tokens=3)),
+        optim=Optimization(lr=1e-3, **optim),
     )
     poison(module, batches, where)
     snapshots = Snapshots()
@@ -74,7 +78,7 @@ def fit(workspace, steps: int, batches: set[int], where: str, **optim) -> tuple[
 
 @pytest.mark.parametrize(("where", "quantity"), [("loss", "loss=nan"), ("grad", "gradient norm=inf")])
 def test_a_nonfinite_update_is_skipped_logged_and_training_goes_on(workspace, caplog, where, quantity):
-    with caplog.at_level(logging.WARNING, logger="gpo.train.module"):
+    with caplog.at_level(logging.WARNING, logger="gpo"):
         module, snap = fit(workspace, 4, {2}, where)
     assert len(snap.weights) == 5  # 4 optimiser steps took 5 batches: batch 2 did not step
     assert module.trainer.global_step == 4

@@ -41,15 +41,15 @@ trainer:
       init_args:
         every_n_train_steps: 8
     - class_path: tests.reliability.faults.CountBatches
-{extra_callbacks}model:
+{extra_callbacks}export: none
+model:
   policy: {model}
   rewards: [tests.reliability.faults.stall_on_cue]
   group_size: 4
-  knobs: {{use_ppo_clip: true}}
+  algorithm: {{class_path: gpo.algo.GRPO, init_args: {{ppo_clip: {{}}}}}}
   entropy: {{coef: 0.01}}
-  engine: {{class_path: gpo.rollout.HFEngine, init_args: {{max_new_tokens: 4}}}}
+  engine: {{class_path: gpo.rollout.HFEngine, init_args: {{sampling: {{max_new_tokens: 4}}}}}}
   optim: {{lr: 1.0e-3, number_of_minibatches: 2, ppo_epochs: 2, lr_schedule: cosine, warmup_steps: 4}}
-  export: none
 data:
   path: {train}
   prompts_per_step: 4

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpo.models.scorer import completion_logprobs, position_ids
+from gpo.models.scorer import position_ids, score_tokens
 from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.hf import completion_mask, left_pad
 from gpo.testing import char_tokenizer, tiny_model
@@ -12,8 +12,8 @@ def policy_and_tokenizer():
     return tiny_model("llama", seed=0), char_tokenizer()
 
 
-def engine(policy_and_tokenizer, **kwargs):
-    e = HFEngine(**kwargs)
+def engine(policy_and_tokenizer, batch_size=None, **sampling):
+    e = HFEngine(sampling=Sampling(**sampling), batch_size=batch_size)
     e.setup(*policy_and_tokenizer)
     return e
 
@@ -91,22 +91,22 @@ def test_select_keeps_rows_consistent(policy_and_tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
-def test_completion_logprobs_fused_path_matches_model_logits(arch):
+def test_score_tokens_fused_path_matches_model_logits(arch):
     model = tiny_model(arch, seed=1)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 1]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    out, router = completion_logprobs(model, ids, mask, 3, temperature=0.7, output_router_logits=arch == "qwen2_moe")
+    out = score_tokens(model, ids, mask, 3, temperature=0.7, router=arch == "qwen2_moe")
     torch.testing.assert_close(out.logp.double(), naive_logprobs(model, ids, mask, 3, 0.7), atol=1e-5, rtol=1e-5)
-    assert (router is not None) == (arch == "qwen2_moe")
+    assert (out.router_logp is not None) == (arch == "qwen2_moe")
 
 
 def test_sampling_settings_are_validated():
     with pytest.raises(ValueError, match="temperature=0"):
         Sampling(temperature=0)
     with pytest.raises(ValueError, match=r"top_p=1\.5"):
-        HFEngine(top_p=1.5)
+        HFEngine(sampling=Sampling(top_p=1.5))
     with pytest.raises(ValueError, match="max_new_tokens=0"):
-        HFEngine(max_new_tokens=0)
+        HFEngine(sampling=Sampling(max_new_tokens=0))
 
 
 def test_logprobs_are_skipped_when_not_asked_for(policy_and_tokenizer):

@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = tiny_vllm_engine(temperature=0.7, max_new_tokens=24)
+    e = tiny_vllm_engine(sampling=Sampling(temperature=0.7, max_new_tokens=24))
     e.setup(*tiny)
     return e
 
@@ -84,7 +84,7 @@ def test_generates_grouped_samples_with_masks_eos_and_logprobs_at_the_sampling_t
 
 def test_greedy_equals_the_transformers_engine_in_float32(tiny, engine):
     prompts = prompt_ids(tiny[1])
-    hf = HFEngine(max_new_tokens=24)
+    hf = HFEngine(sampling=Sampling(max_new_tokens=24))
     hf.setup(*tiny)
     expected, got = hf.generate(prompts, n=2, greedy=True), engine.generate(prompts, n=2, greedy=True)
     width = expected.completion_ids.shape[1]

@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 
+from gpo.rollout import Sampling
 from gpo.rollout.vllm import VLLMEngine, check_single_process, policy_folder
 from gpo.testing import tiny_model
 
@@ -30,12 +31,13 @@ def test_gpu_only_options_are_refused_on_the_cpu_naming_the_field(kwargs, messag
         ({"dtype": "float64"}, "dtype='float64' is not valid"),
         ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes=0 must be >= 1"),
-        ({"temperature": 0.0}, "temperature=0.0 must be > 0"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         VLLMEngine(**kwargs)
+    with pytest.raises(ValueError, match=r"model\.engine\.init_args\.sampling\.temperature=0\.0 must be > 0"):
+        VLLMEngine(sampling=Sampling(temperature=0.0))
 
 
 def test_without_vllm_the_error_says_how_to_install(monkeypatch):

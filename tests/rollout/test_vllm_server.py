@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpo.callbacks import VLLMWeightSync
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.vllm_server import VLLMServerEngine
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import char_tokenizer, save_tiny_model
@@ -29,9 +29,8 @@ def served(tmp_path_factory):
     data = write_jsonl(make_task("sort_digits", 32), root / "train.jsonl")
     model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
     with vllm_server(folder, root / "server.log") as url:
-        engine = VLLMServerEngine(
-            url, temperature=0.7, max_new_tokens=24, weights_dir=str(root / "weights"), health_max_wait_s=300
-        )
+        sampling = Sampling(temperature=0.7, max_new_tokens=24)
+        engine = VLLMServerEngine(url, sampling=sampling, weights_dir=str(root / "weights"), health_max_wait_s=300)
         engine.setup(model, tok)
         yield model, tok, engine, str(folder), str(data)
 
@@ -56,7 +55,7 @@ def test_server_samples_grouped_completions_with_logprobs_at_the_sampling_temper
 @needs_vllm
 def test_server_greedy_equals_the_transformers_engine(served):
     model, tok, engine, *_ = served
-    hf = HFEngine(max_new_tokens=24)
+    hf = HFEngine(sampling=Sampling(max_new_tokens=24))
     hf.setup(model, tok)
     expected, got = hf.generate(prompt_ids(tok), n=2, greedy=True), engine.generate(prompt_ids(tok), n=2, greedy=True)
     assert torch.equal(got.completion_ids, expected.completion_ids)

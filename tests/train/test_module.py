@@ -1,27 +1,21 @@
 """GPOModule end to end on a tiny local model: the reward rises, micro-batching changes nothing, bad input fails."""
 
-import warnings
-
 import lightning as L
 import pytest
 import torch
 
-from gpo.algo import AlgorithmKnobs
+from gpo.algo import GSPO, EntropyBonus, KLPenalty, OverlongFilter, RolloutCorrection
 from gpo.rewards import positional_match
 from gpo.rewards.runner import RewardErrors
-from gpo.rollout import HFEngine
-from gpo.tasks import make_task, write_jsonl
-from gpo.testing import save_tiny_model
-from gpo.train.data import PromptDataModule
-from gpo.train.module import GPOModule, Optimization
+from gpo.rollout import HFEngine, Sampling
+from gpo.train.module import GPOModule
+from gpo.train.optimization import Optimization
+from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    model = save_tiny_model(root / "model", "llama", seed=0)
-    data = write_jsonl(make_task("sort_digits", 2000, seed=0), root / "train.jsonl")
-    return str(model), str(data)
+    return write_assets(tmp_path_factory.mktemp("e2e"), examples=2000)
 
 
 class RewardHistory(L.Callback):
@@ -34,28 +28,17 @@ class RewardHistory(L.Callback):
 
 def fit(workspace, steps, **module_kwargs):
     model, data = workspace
-    warnings.filterwarnings("ignore", module="lightning")
     L.seed_everything(0)
-    module_kwargs.setdefault("engine", HFEngine(max_new_tokens=4))
-    module_kwargs.setdefault("optim", Optimization(lr=1e-3))
-    module = GPOModule(model, [positional_match], group_size=8, **module_kwargs)
+    module = tiny_module(model, group_size=8, **module_kwargs)
     history = RewardHistory()
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[history],
-    )
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=8))
+    quiet_trainer(steps, [history]).fit(module, prompts(model, data, 8))
     return module, history.rewards
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "dr_grpo", "dapo"])
 def test_reward_rises_on_sort_digits(workspace, algorithm):
     # random start scores about 0.013 (1 position in 3 right by chance 1 time in ~96); 150 steps reach ~0.2
-    _, rewards = fit(workspace, 150, algorithm=algorithm, ppo_clip_ref_logprobs="batch")
+    _, rewards = fit(workspace, 150, algorithm=algorithm, old_logprobs="trainer")
     first, last = sum(rewards[:25]) / 25, sum(rewards[-25:]) / 25
     assert last > first + 0.1, (first, last)
 
@@ -63,7 +46,7 @@ def test_reward_rises_on_sort_digits(workspace, algorithm):
 def test_reward_rises_off_policy_with_minibatches_and_rollout_logprobs(workspace):
     # max_steps counts optimiser steps: 4 per rollout batch here, so 240 steps are 60 batches
     optim = Optimization(lr=1e-3, number_of_minibatches=2, ppo_epochs=2)
-    _, rewards = fit(workspace, 240, algorithm="gspo", optim=optim, ppo_clip_ref_logprobs="rollout")
+    _, rewards = fit(workspace, 240, algorithm=GSPO(), optim=optim, old_logprobs="rollout")
     assert len(rewards) == 60
     assert sum(rewards[-15:]) / 15 > sum(rewards[:15]) / 15 + 0.05
 
@@ -80,10 +63,9 @@ def test_a_reward_returning_nan_is_reported_with_its_prompt(workspace):
         return [float("nan")] * len(completions)
 
     model, data = workspace
-    module = GPOModule(model, [broken], engine=HFEngine(max_new_tokens=2), group_size=2)
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module = tiny_module(model, [broken], group_size=2)
     with pytest.raises(ValueError, match=r"reward function 'broken' returned nan for prompt '\d{3}='"):
-        trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+        quiet_trainer(1).fit(module, prompts(model, data, 2))
 
 
 @pytest.mark.parametrize(
@@ -91,12 +73,18 @@ def test_a_reward_returning_nan_is_reported_with_its_prompt(workspace):
     [
         ({"rewards": []}, "rewards is empty"),
         ({"group_size": 1}, "group_size=1"),
+        ({"old_logprobs": "vllm"}, "rollout or trainer"),
         ({"ppo_clip_ref_logprobs": "vllm"}, "rollout or batch"),
-        ({"algorithm": "gspo", "knobs": AlgorithmKnobs(use_ppo_clip=True)}, "not compatible with algorithm='gspo'"),
+        ({"old_logprobs": "rollout", "ppo_clip_ref_logprobs": "batch"}, None),  # the seed's name for trainer
+        ({"old_logprobs": "trainer", "ppo_clip_ref_logprobs": "rollout"}, "disagree; set only one"),
+        ({"algorithm": "ppo"}, "grpo, rloo, reinforce_pp"),
     ],
 )
 def test_invalid_configuration_fails_at_construction(workspace, kwargs, message):
-    kwargs = {"rewards": [positional_match], **kwargs}
+    kwargs = {"rewards": [positional_match], "engine": HFEngine(), **kwargs}
+    if message is None:
+        assert GPOModule(workspace[0], **kwargs).learner.old_logprobs == "trainer"
+        return
     with pytest.raises(ValueError, match=message):
         GPOModule(workspace[0], **kwargs)
 
@@ -116,36 +104,33 @@ def test_python_api_with_loaded_model_and_tokenizer(workspace):
         [positional_match],
         tokenizer=char_tokenizer(),
         group_size=2,
-        engine=HFEngine(max_new_tokens=2),
+        engine=HFEngine(sampling=Sampling(max_new_tokens=2)),
     )
-    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(module, PromptDataModule(workspace[1], tokenizer=workspace[0], prompts_per_step=2))
+    trainer = quiet_trainer(2)
+    trainer.fit(module, prompts(*workspace, 2))
     assert trainer.global_step == 2
     with pytest.raises(ValueError, match="without a tokenizer"):
-        GPOModule(tiny_model("llama"), [positional_match]).setup("fit")
+        GPOModule(tiny_model("llama"), [positional_match], engine=HFEngine()).setup("fit")
 
 
 @pytest.mark.parametrize("placement", ["loss", "reward"])
 def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
-    from gpo.algo import EntropyBonus, KLPenalty, RolloutCorrection
-
     model, data = workspace
-    module = GPOModule(
+    module = tiny_module(
         model,
-        [positional_match],
-        group_size=4,
-        engine=HFEngine(max_new_tokens=3),
+        engine=HFEngine(sampling=Sampling(max_new_tokens=3)),
         optim=Optimization(lr=1e-3, number_of_minibatches=2),
         kl=KLPenalty(beta=0.1, placement=placement),
         entropy=EntropyBonus(coef=0.01),
         correction=RolloutCorrection(mode="tis", cap=2.0),
-        mask_truncated_completions=True,
+        token_weights=[OverlongFilter()],
     )
-    assert module.reference is not None and not any(p.requires_grad for p in module.reference.parameters())
+    reference = module.scorer.reference
+    assert reference is not None and not any(p.requires_grad for p in reference.parameters())
     n_policy = sum(1 for _ in module.policy.parameters())
     assert sum(1 for _ in module.parameters()) == n_policy  # the reference is not trained, saved or summarised
-    trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+    trainer = quiet_trainer(4)
+    trainer.fit(module, prompts(model, data, 2))
     logged = trainer.callback_metrics
     assert ("kl/mean" in logged) == (placement == "loss")
     assert "correction/weight_mean" in logged and torch.isfinite(logged["loss"])
@@ -160,13 +145,32 @@ def test_a_reward_that_fails_under_the_score_policy_is_scored_and_counted(worksp
 
     model, data = workspace
     errors = RewardErrors(policy="score", value=-1.0)
-    module = GPOModule(
-        model, [nan_first, raises], engine=HFEngine(max_new_tokens=2), group_size=2, reward_errors=errors
-    )
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=2))
+    module = tiny_module(model, [nan_first, raises], group_size=2, reward_errors=errors)
+    trainer = quiet_trainer(1)
+    trainer.fit(module, prompts(model, data, 2))
     # 2 prompts x 2 completions: nan_first fails row 0 only, raises fails all 4 rows
     assert trainer.callback_metrics["reward_errors/nan_first"] == 1
     assert trainer.callback_metrics["reward_errors/raises"] == 4
     # mean reward: (nan_first: -1 + 3 x 0.5) / 4 + (raises: -1) = 0.125 - 1
     assert trainer.callback_metrics["reward"].item() == pytest.approx(-0.875)
+
+
+def test_dppo_top_k_modes_train_with_the_old_policys_top_k_from_the_lean_path(workspace, monkeypatch):
+    from gpo.algo import Custom, DivergenceMaskGate
+
+    gate = DivergenceMaskGate(mode="topk_tv", threshold=0.5, top_k=4)
+    divergences = []
+    divergence = gate.divergence
+    monkeypatch.setattr(gate, "divergence", lambda *a: divergences.append(divergence(*a)) or divergences[-1])
+
+    def length(prompts, completions, **_):  # differs within groups from the first step
+        return [len(c) / 4 for c in completions]
+
+    optim = Optimization(lr=0.05, number_of_minibatches=2)
+    model, data = workspace
+    module = tiny_module(model, [length], algorithm=Custom(gate=gate), optim=optim, old_logprobs="trainer")
+    quiet_trainer(2).fit(module, prompts(model, data))
+    assert len(divergences) == 2 and divergences[0].shape[-1] <= 4
+    # the first update of the rollout runs the policy that sampled it: the old top-4 set is the current one
+    assert float(divergences[0].max()) < 1e-5 and float(divergences[1].max()) > 1e-3
+    assert module.learner.objective.requires == {"topk_logp", "old_topk_logp"}

@@ -11,9 +11,9 @@ import lightning as L
 import pytest
 import yaml
 
-from gpo.cli import main
+from gpo.cli import main, run
 from gpo.rewards import positional_match
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, save_tiny_model, tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
@@ -80,10 +80,10 @@ def root(tmp_path_factory):
             "policy": str(root / "model"),
             "rewards": ["gpo.rewards.positional_match"],
             "group_size": 2,
-            "export": "none",
-            "engine": {"class_path": "gpo.rollout.HFEngine", "init_args": {"max_new_tokens": 4}},
+            "engine": {"class_path": "gpo.rollout.HFEngine", "init_args": {"sampling": {"max_new_tokens": 4}}},
         },
         "data": {"path": str(root / "train.jsonl"), "prompts_per_step": 2},
+        "export": "none",
     }
     (root / "good.yaml").write_text(yaml.safe_dump(good))
     return root
@@ -111,7 +111,7 @@ def test_the_good_config_reaches_sampling(root):
 def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):
     with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # a warning, not an error: the run starts
         fit(root, "--model.optim.number_of_minibatches=2")
-    assert "2 optimiser updates per rollout" in caplog.text and "model.knobs.use_ppo_clip: true" in caplog.text
+    assert "2 optimiser updates per rollout" in caplog.text and "ppo_clip: {}" in caplog.text
 
 
 def test_a_policy_that_is_neither_a_folder_nor_a_hub_model(root, monkeypatch):
@@ -129,19 +129,18 @@ CLI_CASES = [
     # ---- impossible numbers -----------------------------------------------------------------------------------
     bad("group_size_1", "--model.group_size=1", field="model.group_size=1", fix="set it to >= 2"),
     bad("group_size_0", "--model.group_size=0", field="model.group_size=0", fix="set it to >= 2"),
-    bad("knobs_group_size_unused", "--model.knobs.group_size=4", field="model.knobs.group_size=4",
-        fix="Set model.group_size: 4"),
-    bad("max_new_tokens_0", "--model.engine.init_args.max_new_tokens=0",
-        field="model.engine.init_args.max_new_tokens=0", fix="must be >= 1"),
-    bad("max_new_tokens_negative", "--model.engine.init_args.max_new_tokens=-8",
-        field="model.engine.init_args.max_new_tokens=-8", fix="must be >= 1"),
-    bad("temperature_0", "--model.engine.init_args.temperature=0", field="model.engine.init_args.temperature=0",
-        fix="must be > 0"),
-    bad("top_p_0", "--model.engine.init_args.top_p=0", field="model.engine.init_args.top_p=0", fix="(0, 1]"),
-    bad("top_p_above_1", "--model.engine.init_args.top_p=1.5", field="model.engine.init_args.top_p=1.5",
+    bad("max_new_tokens_0", "--model.engine.init_args.sampling.max_new_tokens=0",
+        field="model.engine.init_args.sampling.max_new_tokens=0", fix="must be >= 1"),
+    bad("max_new_tokens_negative", "--model.engine.init_args.sampling.max_new_tokens=-8",
+        field="model.engine.init_args.sampling.max_new_tokens=-8", fix="must be >= 1"),
+    bad("temperature_0", "--model.engine.init_args.sampling.temperature=0",
+        field="model.engine.init_args.sampling.temperature=0", fix="must be > 0"),
+    bad("top_p_0", "--model.engine.init_args.sampling.top_p=0", field="model.engine.init_args.sampling.top_p=0",
         fix="(0, 1]"),
-    bad("top_k_negative", "--model.engine.init_args.top_k=-1", field="model.engine.init_args.top_k=-1",
-        fix="must be >= 0"),
+    bad("top_p_above_1", "--model.engine.init_args.sampling.top_p=1.5",
+        field="model.engine.init_args.sampling.top_p=1.5", fix="(0, 1]"),
+    bad("top_k_negative", "--model.engine.init_args.sampling.top_k=-1",
+        field="model.engine.init_args.sampling.top_k=-1", fix="must be >= 0"),
     bad("engine_batch_size_0", "--model.engine.init_args.batch_size=0", field="model.engine.init_args.batch_size=0",
         fix="null to generate in one call"),
     bad("max_prompt_length_0", "--data.max_prompt_length=0", field="data.max_prompt_length=0", fix="must be >= 1"),
@@ -173,30 +172,17 @@ CLI_CASES = [
         field="model.mixer (WeightedSum) has 2 weights", fix="give one weight per reward function"),
     bad("no_rewards", "--model.rewards=[]", field="model.rewards is empty", fix="give at least one reward function"),
     # ---- the seeds' compatibility rules and knob ranges ---------------------------------------------------------
-    bad("unknown_algorithm", "--model.algorithm=ppo", field="algorithm='ppo'", fix="choose one of grpo, rloo"),
-    bad("rloo_batch_norm", "--model.algorithm=rloo", "--model.knobs.advantage_norm=batch",
-        field="advantage_norm", fix="Set advantage_norm='group'"),
-    *(
-        bad(f"ppo_clip_on_{name}", f"--model.algorithm={name}", "--model.knobs.use_ppo_clip=true",
-            field=f"use_ppo_clip=True is not compatible with algorithm='{name}'", fix="Remove use_ppo_clip")
-        for name in ("cispo", "gspo", "sapo")
-    ),
-    bad("clip_low_without_ppo_clip", "--model.knobs.clip_low=0.3", field="clip_low=0.3 has no effect",
-        fix="use_ppo_clip=True on grpo"),
-    bad("clip_range_on_sapo", "--model.algorithm=sapo", "--model.knobs.clip_high=0.3",
-        field="clip_high=0.3 has no effect with algorithm='sapo'", fix="Remove clip_high"),
-    bad("advantage_norm_on_dr_grpo", "--model.algorithm=dr_grpo", "--model.knobs.advantage_norm=batch",
-        field="advantage_norm='batch' has no effect", fix="Remove advantage_norm"),
-    bad("sapo_tau_on_grpo", "--model.knobs.sapo_tau_pos=2.0", field="sapo_tau_pos=2.0 has no effect",
-        fix="read by sapo"),
-    bad("clip_low_negative", "--model.knobs.use_ppo_clip=true", "--model.knobs.clip_low=-0.1",
+    bad("unknown_algorithm", "--model.algorithm=ppo", field="model.algorithm='ppo'", fix="choose one of grpo, rloo"),
+    bad("clip_low_negative", "--model.algorithm=GRPO", "--model.algorithm.ppo_clip.clip_low=-0.1",
         field="clip_low=-0.1", fix="must be >= 0"),
-    bad("clip_low_above_1", "--model.algorithm=cispo", "--model.knobs.clip_low=1.5", field="clip_low=1.5",
+    bad("clip_low_above_1", "--model.algorithm=CISPO", "--model.algorithm.clip_low=1.5", field="clip_low=1.5",
         fix="use a value in [0, 1]"),
-    bad("dual_clip_below_1", "--model.algorithm=dapo", "--model.knobs.dual_clip=0.5", field="dual_clip=0.5",
+    bad("dual_clip_below_1", "--model.algorithm=DAPO", "--model.algorithm.dual_clip=0.5", field="dual_clip=0.5",
         fix="must be > 1"),
-    bad("sapo_tau_0", "--model.algorithm=sapo", "--model.knobs.sapo_tau_neg=0", field="tau_neg=0",
-        fix="must be > 0"),
+    bad("sapo_tau_0", "--model.algorithm=SAPO", "--model.algorithm.tau_neg=0", field="tau_neg=0", fix="must be > 0"),
+    bad("token_sum_norm_reads_max_completion_length", "--model.algorithm=DrGRPO",
+        "--model.algorithm.max_completion_length=64", field="max_completion_length=64 is read only with",
+        fix="loss_agg_mode: token_sum_norm"),
     # ---- paths, tokenizer and data ------------------------------------------------------------------------------
     bad("missing_model_path", "--model.policy={root}/no_such_model", error=FileNotFoundError,
         field="model.policy='{root}/no_such_model': no such folder", fix="written by save_pretrained"),
@@ -225,9 +211,9 @@ CLI_CASES = [
     bad("prompt_over_max_prompt_length", "--data.path={root}/long.jsonl", "--data.max_prompt_length=100",
         field="the prompt is 300 tokens, over max_prompt_length=100", fix="data.long_prompts: truncate"),
     bad("prompt_plus_budget_over_context", "--data.path={root}/long.jsonl",
-        field="model.engine.init_args.max_new_tokens=4", fix=f"data.max_prompt_length: {CONTEXT - 4}"),
-    bad("budget_fills_the_context", f"--model.engine.init_args.max_new_tokens={CONTEXT}",
-        field=f"model.engine.init_args.max_new_tokens={CONTEXT}", fix=f"set max_new_tokens below {CONTEXT}"),
+        field="model.engine.init_args.sampling.max_new_tokens=4", fix=f"data.max_prompt_length: {CONTEXT - 4}"),
+    bad("budget_fills_the_context", f"--model.engine.init_args.sampling.max_new_tokens={CONTEXT}",
+        field=f"model.engine.init_args.sampling.max_new_tokens={CONTEXT}", fix=f"set max_new_tokens below {CONTEXT}"),
 ]  # fmt: skip
 
 
@@ -244,17 +230,41 @@ def test_bad_config_fails_before_sampling_naming_field_and_fix(root, case):
     ("arg", "choices"),
     [
         pytest.param("--model.trainer_mode=adapter", "'full', 'lora', 'qlora'", id="trainer_mode"),
-        pytest.param("--model.export=zip", "'merged', 'adapter', 'none'", id="export"),
+        pytest.param("--export=zip", "'merged', 'adapter', 'none'", id="export"),
+        pytest.param("--model.old_logprobs=vllm", "'rollout', 'trainer'", id="old_logprobs"),
         pytest.param("--model.ppo_clip_ref_logprobs=vllm", "'rollout', 'batch'", id="ppo_clip_ref_logprobs"),
         pytest.param("--model.dtype=float8", "'float32', 'bfloat16', 'float16'", id="dtype"),
         pytest.param("--data.long_prompts=drop", "'error', 'truncate'", id="long_prompts"),
     ],
 )
 def test_a_value_outside_a_fixed_set_is_refused_by_the_parser_with_the_choices(root, capsys, arg, choices):
-    with pytest.raises(SystemExit):
-        fit(root, arg)
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", f"--config={root / 'good.yaml'}", arg])
     err = capsys.readouterr().err
-    assert f'Parser key "{arg[2:].split("=")[0]}"' in err and choices in err, err
+    assert exit_info.value.code == 2 and err.startswith(f"gpo fit: error: {arg[2:].split('=')[0]}: ") and choices in err
+    assert len(err.splitlines()) <= 3, err  # no usage dump, no traceback
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(("--model.algorithm=CISPO", "--model.algorithm.ppo_clip.clip_low=0.2"), id="ppo_clip_on_cispo"),
+        pytest.param(("--model.algorithm=GSPO", "--model.algorithm.ppo_clip.clip_low=0.2"), id="ppo_clip_on_gspo"),
+        pytest.param(("--model.algorithm=SAPO", "--model.algorithm.clip_high=0.3"), id="clip_range_on_sapo"),
+        pytest.param(("--model.algorithm=RLOO", "--model.algorithm.advantage_norm=batch"), id="rloo_batch_norm"),
+        pytest.param(("--model.algorithm=DrGRPO", "--model.algorithm.advantage_norm=batch"), id="norm_on_dr_grpo"),
+        pytest.param(("--model.algorithm=GRPO", "--model.algorithm.tau_pos=2.0"), id="sapo_tau_on_grpo"),
+    ],
+)
+def test_a_setting_the_chosen_preset_does_not_have_is_refused_by_the_parser(root, capsys, args):
+    # Each preset takes only the settings it reads (seed 000's refusals: no PPO clip on CISPO/GSPO/SAPO, RLOO has
+    # no batch normalisation, Dr. GRPO divides by no std), so anything else is an unknown key; the message lists
+    # the settings the preset does take.
+    with pytest.raises(SystemExit):
+        run(["fit", f"--config={root / 'good.yaml'}", *args])
+    err = capsys.readouterr().err
+    preset, setting = args[0].split("=")[1], args[1].split("=")[0].removeprefix("--model.algorithm.").split(".")[0]
+    assert f"model.algorithm ({preset}) has no setting '{setting}'" in err and "model.algorithm takes: " in err, err
 
 
 # ---- cases that need Python objects: reward functions, loaded tokenizers ---------------------------------------
@@ -269,8 +279,8 @@ def no_kwargs(prompts, completions, answer):
 
 
 def python_fit(root, **module_kwargs) -> None:
-    defaults = {"policy": str(root / "model"), "rewards": [positional_match], "group_size": 2, "export": "none"}
-    module = GPOModule(**{**defaults, "engine": HFEngine(max_new_tokens=4), **module_kwargs})
+    defaults = {"policy": str(root / "model"), "rewards": [positional_match], "group_size": 2}
+    module = GPOModule(**{**defaults, "engine": HFEngine(sampling=Sampling(max_new_tokens=4)), **module_kwargs})
     data = PromptDataModule(str(root / "train.jsonl"), tokenizer=str(root / "model"), prompts_per_step=2)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False

@@ -21,10 +21,14 @@ class RatioGate(ABC):
     ``mask`` is 0) and a dict of detached diagnostics. A ``LossAggregator`` then averages the tokens.
 
     Gates that need more than log-probs name the extra keyword inputs in ``requires`` (for example RSPO's
-    router log-probs); the trainer computes exactly those and passes them by name.
+    router log-probs); the trainer computes exactly those and passes them by name. Inputs named ``old_*`` are
+    computed once per step over the rollout, before the first update; the others in each gradient pass. A gate that
+    reads the old policy's most likely tokens (``old_topk_logp``, and the current policy's ``topk_logp`` at those
+    tokens) says how many in ``topk_tokens``.
     """
 
     requires: ClassVar[frozenset[str]] = frozenset()
+    topk_tokens: int = 0
 
     @abstractmethod
     def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, Metrics]:

@@ -40,8 +40,9 @@ class DivergenceMaskGate(RatioGate):
 
     - ``binary_tv`` / ``binary_kl``: bins {sampled token, everything else}; TV is ``|p - q|``, KL is
       ``p log(p/q) + (1-p) log((1-p)/(1-q))``, with ``p = pi(o_t)``, ``q = pi_old(o_t)``;
-    - ``topk_tv`` / ``topk_kl``: bins {each of the old policy's top-k tokens, everything else}; needs
-      ``topk_logp`` (current policy at those tokens) and ``old_topk_logp``, ``[B, T, k]``.
+    - ``topk_tv`` / ``topk_kl``: bins {each of the old policy's ``top_k`` most likely tokens, everything else};
+      needs ``topk_logp`` (current policy at those tokens) and ``old_topk_logp``, ``[B, T, k]``, which the trainer
+      computes chunk by chunk without the full logits.
 
     Coarsening can only lower TV and KL, so ``D_t`` is a lower bound of the full divergence. KL is
     ``KL(pi || pi_old)``. The seeds write the binary KL with its first term only; we keep both terms so the
@@ -50,16 +51,21 @@ class DivergenceMaskGate(RatioGate):
     Args:
         mode: which estimate, one of ``binary_tv``, ``binary_kl``, ``topk_tv``, ``topk_kl``.
         threshold: the trust-region radius ``delta`` (no default: the seeds give none).
+        top_k: old-policy tokens that get a bin of their own in the ``topk_*`` modes (unused by ``binary_*``).
     """
 
-    def __init__(self, *, mode: DivergenceMode, threshold: float) -> None:
+    def __init__(self, *, mode: DivergenceMode, threshold: float, top_k: int = 20) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not valid; choose one of {', '.join(map(repr, MODES))}.")
         if not threshold > 0:
             raise ValueError(f"threshold={threshold} must be > 0.")
+        if top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1 (old-policy tokens with a bin of their own).")
         self.mode, self.threshold = mode, threshold
         self.kind = mode.split("_")[1]
-        self.requires = frozenset({"topk_logp", "old_topk_logp"}) if mode.startswith("topk") else frozenset()
+        topk = mode.startswith("topk")
+        self.requires = frozenset({"topk_logp", "old_topk_logp"}) if topk else frozenset()
+        self.topk_tokens = top_k if topk else 0
 
     def divergence(
         self, logp: Tensor, old_logp: Tensor, topk_logp: Tensor | None, old_topk_logp: Tensor | None

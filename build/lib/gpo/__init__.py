@@ -1,1 +1,0 @@
-"""gpo: group-based policy optimisation for language models, on PyTorch Lightning."""

@@ -1,0 +1,54 @@
+"""ExportPolicy: save the trained policy as a transformers folder when training ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from lightning import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from gpo.train.hooks import require_source
+
+ExportMode = Literal["merged", "adapter"]
+
+
+class ExportPolicy(Callback):
+    """When training ends, writes the policy and its tokenizer to ``<log dir>/export`` (or ``folder``) with
+    ``save_pretrained``: a folder that transformers and vLLM load. A LoRA policy is saved merged into its base
+    weights (``merged``: a plain model folder) or as the adapter alone (``adapter``: load it with peft on top of the
+    base model); the trained model itself is left untouched. The folder appears whole or not at all.
+
+    ``gpo fit`` adds one unless ``export: none``. Refused under FSDP (the policy is sharded over the processes;
+    exporting a sharded run is not built yet).
+
+    What the LightningModule must provide: ``gpo.train.hooks.RolloutSource``'s ``policy`` and ``tokenizer``.
+
+    Args:
+        mode: ``merged`` or ``adapter`` (LoRA runs; a fully fine-tuned policy is saved whole either way).
+        folder: where to write; None: ``<trainer.log_dir>/export`` (``default_root_dir`` without a logger).
+    """
+
+    def __init__(self, *, mode: ExportMode = "merged", folder: str | None = None) -> None:
+        if mode not in ("merged", "adapter"):
+            raise ValueError(f"ExportPolicy mode={mode!r} is not valid; choose 'merged' or 'adapter'.")
+        self.mode, self.folder = mode, folder
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from gpo.parallel.fsdp import is_sharded
+
+        require_source(self, pl_module, "policy and tokenizer")
+        if is_sharded(trainer.strategy):
+            raise ValueError(
+                "exporting under FSDP is not supported yet (the policy is sharded over the processes): set "
+                "export: none (configs/fsdp.yaml does), and export a checkpoint later with gpo export."
+            )
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from gpo.models.export import export_policy
+
+        folder = self.folder or Path(trainer.log_dir or trainer.default_root_dir) / "export"  # log_dir: every rank
+        if trainer.is_global_zero:
+            export_policy(pl_module.policy, pl_module.tokenizer, folder, merge=self.mode == "merged")

@@ -1,0 +1,64 @@
+"""The small commands: ``gpo tiny`` (local test assets), ``gpo plot`` (curves) and ``gpo export`` (checkpoint to a
+transformers folder)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def make_tiny(argv: list[str]) -> None:
+    """``gpo tiny OUT``: write a tiny random model and a synthetic task's prompts for a CPU run."""
+    from gpo.tasks import TASKS, make_task, write_jsonl
+    from gpo.testing import save_tiny_model
+
+    parser = argparse.ArgumentParser(prog="gpo tiny", description=make_tiny.__doc__)
+    parser.add_argument("out", help="folder to write model/, train.jsonl and val.jsonl into")
+    parser.add_argument("--task", default="sort_digits", choices=sorted(TASKS))
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen2_moe"])
+    parser.add_argument("--examples", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model = save_tiny_model(f"{args.out}/model", args.arch, seed=args.seed)
+    write_jsonl(make_task(args.task, args.examples, seed=args.seed), f"{args.out}/train.jsonl")
+    write_jsonl(make_task(args.task, 64, seed=args.seed + 1), f"{args.out}/val.jsonl")
+    print(f"wrote {model}, {args.out}/train.jsonl and {args.out}/val.jsonl")
+
+
+def plot_curves(argv: list[str]) -> None:
+    """``gpo plot RUN_DIR``: plot a run's reward and completion-length curves from its metrics.csv into a PNG."""
+    from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run
+
+    parser = argparse.ArgumentParser(prog="gpo plot", description=plot_curves.__doc__)
+    parser.add_argument("run_dir", help="a version_N folder, its lightning_logs folder or trainer.default_root_dir")
+    parser.add_argument("--out", help="PNG to write (default: RUN_DIR/curves.png)")
+    parser.add_argument("--metrics", nargs="+", help="columns to plot (default: reward/* and completion/len_*)")
+    parser.add_argument("--window", type=int, default=5, help="moving-average width in logged points (1: raw only)")
+    args = parser.parse_args(argv)
+    try:
+        metrics_csv = find_metrics_csv(args.run_dir)
+        out = plot_run(metrics_csv, args.out or os.path.join(args.run_dir, "curves.png"), args.metrics, args.window)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"gpo plot: error: {err}\n")
+    runs = len(metrics_csv_candidates(args.run_dir))
+    print(f"read {metrics_csv}" + (f" (the newest of {runs} runs)" if runs > 1 else ""))
+    print(f"wrote {out}")
+
+
+def export_checkpoint_command(argv: list[str]) -> None:
+    """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
+    from gpo.models.export import export_checkpoint
+    from gpo.train.checkpointing import CheckpointError
+
+    parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
+    parser.add_argument("config", help="the run's saved config.yaml")
+    parser.add_argument("checkpoint", help="a .ckpt file of that run")
+    parser.add_argument("out", help="folder to write the model and tokenizer into")
+    parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
+    parser.add_argument("--policy", help="base model folder, if the config's model.policy path is not valid here")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
+    except (FileNotFoundError, ValueError, CheckpointError) as err:
+        parser.exit(2, f"gpo export: error: {err}\n")
+    print(f"wrote {out}")

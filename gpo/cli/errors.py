@@ -1,0 +1,170 @@
+"""Configuration errors as a person reads them: the key, what is wrong with it, where it came from and what to do.
+
+jsonargparse reports an unknown or invalid key with the parser's whole usage and every union member it tried; this
+turns that into a few lines: the key, the setting's known neighbours (did you mean ...), the YAML file that holds
+it, and, for settings that moved when gpo's configuration was reorganised, their new place.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: Settings that moved, by their old key: where each went.
+MOVED_KEYS: dict[str, str] = {
+    "model.knobs": "a preset takes its own settings now, e.g. model.algorithm: {class_path: GRPO, init_args: "
+    "{ppo_clip: {clip_low: 0.2}}} (configs/<preset>.yaml show each preset's)",
+    "model.gate": "parts are combined with model.algorithm: {class_path: Custom, init_args: {advantage: ..., gate: "
+    "..., aggregator: ...}}, or changed through a preset's own settings",
+    "model.advantage": "parts are combined with model.algorithm: {class_path: Custom, init_args: {advantage: ...}}",
+    "model.aggregator": "parts are combined with model.algorithm: {class_path: Custom, init_args: {aggregator: ...}}",
+    "model.export": "export is a top-level setting now: export: none (merged, adapter or none)",
+    "model.mask_truncated_completions": "overlong filtering is a token weight now: model.token_weights: "
+    "[gpo.algo.OverlongFilter]",
+    "model.engine.init_args.step_rewards_mode": "step rewards are an advantage part now: model.step_rewards: "
+    "{mode: decision_stepwise, beta: 1.0}",
+    "model.engine.init_args.step_rewards_beta": "step rewards are an advantage part now: model.step_rewards: "
+    "{mode: decision_stepwise, beta: 1.0}",
+    **{
+        f"model.engine.init_args.{name}": f"engines take one sampling argument now: "
+        f"model.engine.init_args.sampling.{name}"
+        for name in ("temperature", "top_p", "top_k", "max_new_tokens")
+    },
+}
+
+#: Import paths that moved: old -> new.
+MOVED_PATHS: dict[str, str] = {
+    "gpo.envs.env_reward": "gpo.rewards.env_reward",
+    "gpo.envs.JudgeReward": "gpo.rewards.JudgeReward",
+    "gpo.envs.judge_app": "gpo.rewards.judge_app",
+    "gpo.strategies.FullyShardedStrategy": "gpo.parallel.fsdp.FullyShardedStrategy",
+    "gpo.module.GPOModule": "gpo.train.module.GPOModule",
+    "gpo.data.PromptDataModule": "gpo.train.data.PromptDataModule",
+    "gpo.algo.SoftOverlongPunishment": "gpo.rewards.SoftOverlongPunishment (a reward function now)",
+    "gpo.algo.DuplicatePenalty": "gpo.rewards.DuplicatePenalty (a reward function now)",
+    "gpo.algo.AlgorithmKnobs": "the preset classes' own settings (gpo.algo.GRPO, DAPO, ...)",
+}
+
+JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
+_UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
+_PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
+_NOT_ACCEPTED = re.compile(
+    r"Problem with given class_path '([\w.]+)':\s*(?:Option '(\w+)' is not accepted|unrecognized arguments: --(\w+))"
+)
+_NESTED = re.compile(r"NestedArg\(key='(\w+)'")
+
+
+def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
+    """A short account of a parser error ``message``: the key, what is wrong, the file it came from and a hint.
+
+    ``config_files`` are the ``--config`` files of the command (searched for the key); ``known`` maps a group key
+    (``model.optim``) to the class or dataclass whose parameters are its valid sub-keys. A message that is not
+    jsonargparse's (gpo's own checks say what to do already) is returned as it is."""
+    moved = [f"{old} moved: use {new}." for old, new in MOVED_PATHS.items() if old.lower() in message.lower()]
+    if not any(marker in message for marker in JSONARGPARSE_MARKERS):
+        return "\n".join([message, *moved])
+    key, problem, unknown = _key_and_problem(message)
+    lines = [problem]
+    if unknown:
+        source = _file_holding(key, config_files)
+        if source is not None:
+            lines.append(f"(set in {source})")
+        known = dict(known or {})
+        rejected = _NOT_ACCEPTED.search(message)
+        if rejected:  # a class chosen by class_path: its own constructor says what it takes
+            known[key.rpartition(".init_args.")[0]] = _import(rejected.group(1))
+        lines.extend(_hints(key, known))
+    return "\n".join([*lines, *moved])
+
+
+def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
+    """The key the message is about, the problem in one line, and whether the key itself is unknown."""
+    parser_key = _PARSER_KEY.search(message)
+    group = parser_key.group(1) if parser_key else None
+    rejected = _NOT_ACCEPTED.search(message)
+    if group and rejected:
+        cls, option = rejected.group(1), rejected.group(2) or rejected.group(3)
+        return f"{group}.init_args.{option}", f"{group} ({cls.rsplit('.', 1)[-1]}) has no setting {option!r}", True
+    unknown = _UNKNOWN_OPTION.search(message)
+    if unknown:
+        key = unknown.group(1) or unknown.group(2)
+        return key, f"unknown setting {key}", True
+    nested = _NESTED.search(message)
+    if group and nested:
+        return f"{group}.{nested.group(1)}", f"unknown setting {group}.{nested.group(1)}", True
+    reason = _first_reason(message)
+    return group, reason if group is None or reason.startswith(group) else f"{group}: {reason}", False
+
+
+def _first_reason(message: str) -> str:
+    """The most specific line of jsonargparse's account (the innermost problem, not the union's preamble)."""
+    noise = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+             'Parser key "', "Expected a <class 'NoneType'>")  # fmt: skip
+    reasons = [
+        line.strip(" -") for line in message.splitlines() if line.strip() and not line.strip(" -").startswith(noise)
+    ]
+    return (reasons or [message.strip()])[0]
+
+
+def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
+    for old, new in MOVED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            return [f"{old} moved: {new}."]
+    group, _, name = key.rpartition(".")
+    if group.endswith(".init_args"):
+        group = group.removesuffix(".init_args")
+    owner = known.get(group)
+    choices = _parameters(owner) if owner is not None else []
+    close = difflib.get_close_matches(name, choices, n=1)
+    hints = [f"did you mean {group}.{close[0]}?"] if close else []
+    if choices:
+        hints.append(f"{group} takes: {', '.join(choices)}.")
+    return hints
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _parameters(owner: Any) -> list[str]:
+    """The keyword parameters of a class's constructor (a dataclass's fields included)."""
+    try:
+        parameters = inspect.signature(owner).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+
+
+def _file_holding(key: str, config_files: Iterable[str]) -> str | None:
+    """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message."""
+    found = None
+    for name in config_files:
+        try:
+            tree = yaml.safe_load(Path(name).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if _sets(tree, key.replace(".init_args.", ".").split(".")) or _sets(tree, key.split(".")):
+            found = name
+    return found
+
+
+def _sets(tree: Any, parts: list[str]) -> bool:
+    for index, part in enumerate(parts):
+        if not isinstance(tree, dict):
+            return False
+        if part not in tree:
+            init_args = tree.get("init_args")
+            return isinstance(init_args, dict) and _sets(init_args, parts[index:])
+        tree = tree[part]
+    return True

@@ -1,0 +1,117 @@
+"""Collector: prompts -> engine -> decoded completions -> reward functions -> mixer -> a scored Rollout."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gpo.algo.mixers import RewardMixer, WeightedSum
+from gpo.rewards.runner import RewardErrors, RewardFn, score
+from gpo.rollout.base import Rollout, RolloutEngine
+
+RANK_SEED_STRIDE = 2**32  # rank r samples with seeds offset by r * this, far from any seed rank 0 uses
+ROUND_SEED_STRIDE = 1_000_003  # round k of a step (extra draws) samples with seeds offset by k * this
+
+
+@dataclass
+class CollectionStats:
+    """What the collection of one step cost: every round counted, kept or not."""
+
+    rollout_s: float = 0.0  # seconds in the engine
+    generated_tokens: float = 0.0  # completion tokens sampled
+    reward_errors: Counter = field(default_factory=Counter)  # samples scored as RewardErrors.value, per function
+
+
+class Collector:
+    """Samples ``group_size`` completions per prompt with the engine, decodes them, attaches the dataset's fields,
+    runs the reward functions (with their timeouts and error policy) and mixes their scores into one reward.
+
+    It needs no Trainer: the step index (``begin_step``) and the prompts it may draw beyond the step's own
+    (``extra_prompts``, for callbacks such as ``DynamicSampling``) are handed to it, so it can run apart from the
+    training loop. Every round of a step samples with its own seed, ``seed + step + 1_000_003 * round + 2**32 *
+    rank``, so a run replays exactly however many rounds it draws.
+
+    Args:
+        engine: samples completions (token ids, masks, and the sampler's log-probs when asked).
+        rewards: reward functions ``(prompts, completions, **columns) -> list[float]``.
+        mixer: combines the reward functions' scores into one reward (default: their sum).
+        group_size: completions per prompt.
+        reward_errors: what a reward function that raises, hangs or returns bad values does to the run.
+        seed: base seed of the rollout sampling.
+        logprobs: ask the engine for the sampled tokens' log-probs.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        rewards: Sequence[RewardFn],
+        *,
+        mixer: RewardMixer | None = None,
+        group_size: int = 8,
+        reward_errors: RewardErrors | None = None,
+        seed: int = 0,
+        logprobs: bool = False,
+    ) -> None:
+        self.engine, self.rewards, self.mixer = engine, list(rewards), mixer or WeightedSum()
+        self.group_size, self.reward_errors = group_size, reward_errors or RewardErrors()
+        self.seed, self.logprobs = seed, logprobs
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.device = torch.device("cpu")  # where collected rollouts are put (the trainer's device)
+        self.rank = 0  # this process's rank: its seeds differ from every other rank's
+        self.extra_prompts: Iterator[dict[str, Any]] | None = None
+        self.step, self.round, self.stats = 0, 0, CollectionStats()
+
+    def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.engine.setup(policy, tokenizer)
+
+    def begin_step(self, step: int) -> None:
+        """Start collecting for training batch ``step`` (counted over the run, skipped batches included)."""
+        self.step, self.round, self.stats = step, 0, CollectionStats()
+
+    def collect(self, batch: dict[str, Any]) -> Rollout:
+        """The scored rollout of ``batch``'s prompts, sampled with this step's next seed."""
+        seed = self.seed + self.step + ROUND_SEED_STRIDE * self.round + RANK_SEED_STRIDE * self.rank
+        self.round += 1
+        started = time.perf_counter()
+        rollout = self.sample(batch, seed=seed, logprobs=self.logprobs)
+        self.stats.rollout_s += time.perf_counter() - started
+        self.stats.generated_tokens += float(rollout.completion_mask.sum())
+        return self.score(rollout, self.stats.reward_errors)
+
+    def collect_more(self) -> Rollout:
+        """The scored rollout of the next batch of ``extra_prompts`` (a callback drawing beyond the step's batch)."""
+        if self.extra_prompts is None:
+            raise RuntimeError("Collector.collect_more needs extra_prompts (GPOModule sets them when training starts).")
+        return self.collect(next(self.extra_prompts))
+
+    def sample(
+        self, batch: dict[str, Any], *, seed: int | None, greedy: bool = False, n: int | None = None,
+        logprobs: bool = False,
+    ) -> Rollout:  # fmt: skip
+        """``n`` completions (default ``group_size``) per prompt of ``batch``, with texts and dataset fields."""
+        n = n or self.group_size
+        generated = self.engine.generate(batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs)
+        rollout = generated.to(self.device)
+        rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rollout.completions = self.tokenizer.batch_decode(
+            rollout.completion_ids.masked_fill(rollout.completion_mask == 0, pad), skip_special_tokens=True
+        )
+        rollout.fields |= {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
+        return rollout
+
+    def score(self, rollout: Rollout, errors: Counter) -> Rollout:
+        """``rollout`` with ``scores[B, K]`` (one column per reward function) and the mixed ``reward[B]`` set; the
+        samples scored as ``reward_errors.value`` are counted into ``errors`` per function."""
+        scored = score(self.rewards, rollout, self.reward_errors)
+        rollout.scores = scored.values.to(self.device)  # [B, K]
+        errors.update(scored.replaced)
+        rollout.reward = self.mixer(rollout.scores, rollout.group)  # [B]
+        return rollout

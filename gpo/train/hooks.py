@@ -1,0 +1,107 @@
+"""The two rollout hooks gpo adds to Lightning's, declared on a Callback base class, and the calls that run them.
+
+Any LightningModule can run them from its own ``training_step`` with one line each::
+
+    batch = run_prompt_hooks(self.trainer, self, batch)        # before sampling
+    rollout = run_rollout_hooks(self.trainer, self, rollout)   # after scoring, before the loss
+
+and provide what the callbacks it uses read by subclassing ``RolloutSource`` (each callback's docstring says which
+members it reads).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any
+
+from lightning import Callback, LightningModule, Trainer
+
+from gpo.rollout.base import Rollout, RolloutEngine
+
+if TYPE_CHECKING:  # gpo.callbacks imports this file and stays free of transformers
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from gpo.models.scorer import TokenScorer
+
+
+class RolloutCallback(Callback):
+    """A Lightning ``Callback`` with gpo's two extra hooks, as no-ops to override (mark them ``@override``).
+
+    A subclass method named ``on_...`` that is none of Lightning's hooks nor these two is refused when the class is
+    defined: a misspelt hook would otherwise never run.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hooks = [name for name in dir(RolloutCallback) if name.startswith("on_")]
+        for name, value in vars(cls).items():
+            if name.startswith("on_") and callable(value) and name not in hooks:
+                close = difflib.get_close_matches(name, hooks, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; the rollout hooks are {ROLLOUT_HOOKS}."
+                raise TypeError(f"{cls.__name__}.{name} is not a hook of Lightning's Callback or RolloutCallback{hint}")
+
+    def on_prompts(self, trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any] | None:
+        """Before sampling: return a filtered batch of prompts (same keys), or None to keep ``batch``."""
+
+    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout | None:
+        """After scoring, before advantages and training: return a replacement rollout (more or fewer groups; an
+        empty one skips the step), or None to keep ``rollout``."""
+
+
+ROLLOUT_HOOKS = ("on_prompts", "on_rollout_end")
+
+
+def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any]:
+    """``on_prompts`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's batch."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, RolloutCallback):
+            filtered = callback.on_prompts(trainer, pl_module, batch)
+            batch = batch if filtered is None else filtered
+    return batch
+
+
+def run_rollout_hooks(trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout:
+    """``on_rollout_end`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's
+    rollout. The result may be empty (test ``len(rollout) == 0``): then skip the step."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, RolloutCallback):
+            replaced = callback.on_rollout_end(trainer, pl_module, rollout)
+            rollout = rollout if replaced is None else replaced
+    return rollout
+
+
+class RolloutSource:
+    """What gpo's callbacks may read from the LightningModule they run with; mix it into yours and set what the
+    callbacks you use read (``GPOModule`` has all of it):
+
+    - ``draw_rollout()``: ``DynamicSampling`` draws more groups with it.
+    - ``engine``: ``VLLMWeightSync`` pushes the policy's weights into it (``update_weights``) and samples its probe.
+    - ``policy``: the trained model whose weights ``VLLMWeightSync`` pushes (a transformers causal LM, or a peft
+      model wrapping one).
+    - ``scorer``: a ``gpo.models.scorer.TokenScorer`` of ``policy``; ``VLLMWeightSync`` verifies with it,
+      ``RolloutMonitor`` computes the entropy with it (``compute_entropy``).
+    - ``tokenizer``: the policy's tokenizer; ``VLLMWeightSync`` tokenises its probe prompts with it, ``ExportPolicy``
+      saves it beside the weights.
+    """
+
+    engine: RolloutEngine
+    policy: torch.nn.Module
+    scorer: TokenScorer
+    tokenizer: PreTrainedTokenizerBase
+
+    def draw_rollout(self) -> Rollout:
+        """Sample and score another batch of training prompts: a ``Rollout`` with ``reward`` and ``group`` set."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement RolloutSource.draw_rollout, which DynamicSampling calls to "
+            "draw more groups; implement it, or use DynamicSampling(max_rounds=0) to only filter."
+        )
+
+
+def require_source(callback: Callback, pl_module: LightningModule, reads: str) -> None:
+    """Refuse, when a callback is set up, a module that does not declare what the callback ``reads``."""
+    if not isinstance(pl_module, RolloutSource):
+        raise TypeError(
+            f"{type(callback).__name__} reads the module's {reads}, which {type(pl_module).__name__} does not declare: "
+            "mix gpo.train.hooks.RolloutSource into it and set them."
+        )

@@ -1,0 +1,188 @@
+"""Learner: a scored rollout and its advantages -> optimiser steps on the policy objective."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
+from gpo.algo.objective import PolicyObjective
+from gpo.models.scorer import TokenScorer
+from gpo.parallel import collectives, fsdp
+from gpo.rollout.base import Rollout
+from gpo.train.nonfinite import NonfiniteGuard
+from gpo.train.optimization import Optimization
+
+OldLogprobs = Literal["rollout", "trainer"]
+#: Gate inputs the learner computes: ``old_*`` once per step over the rollout, the rest in each gradient pass.
+SUPPLIED_GATE_INPUTS = frozenset({"router_logp", "old_router_logp", "topk_logp", "old_topk_logp"})
+
+
+@dataclass
+class Backend:
+    """What the learner needs from the training loop that runs it (Lightning's, in ``GPOModule``)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    backward: Callable[[Tensor], None]  # Lightning's manual_backward: precision and strategy hooks included
+    gradient_sync: Callable[[bool], AbstractContextManager]  # (last micro-batch?) -> DDP's no_sync when not
+    sharded: bool  # FSDP2: every rank must run the same number of forward passes
+    device: torch.device
+    step: int  # the optimiser step count, for messages
+
+
+class Learner:
+    """Optimiser steps on one scored rollout: ``ppo_epochs x number_of_minibatches`` updates of the objective.
+
+    Before the first update, the inputs that stay fixed while the policy moves are computed through the
+    ``TokenScorer``: the old-policy log-probs (the sampler's, or the trainer's own), the reference log-probs and
+    router log-probs when the objective requires them, the rollout-vs-trainer mismatch and its correction weight.
+    Each update splits its minibatch into micro-batches whose gradients add up to the minibatch's (the aggregator's
+    normaliser is over the whole minibatch, and over every rank under DDP), syncs gradients once, clips the global
+    norm and skips the update when the loss or the gradient is not finite.
+
+    Args:
+        scorer: scores the policy (and reference) on the rollout's tokens.
+        objective: the per-token objective and its aggregation.
+        optim: minibatches, epochs, micro-batch size, gradient clipping, non-finite tolerance.
+        old_logprobs: the behaviour policy's log-probs from the ``rollout`` engine, or recomputed by the ``trainer``
+            before the first update.
+        correction: rollout-vs-trainer importance correction (TIS/MIS).
+        kl: the KL penalty, whose ``reward`` placement is applied here to the rollout's reward.
+        sampler_shares_weights: the engine samples from the trained module itself, so its log-probs equal the
+            trainer's and there is no mismatch to measure.
+    """
+
+    def __init__(
+        self,
+        scorer: TokenScorer,
+        objective: PolicyObjective,
+        optim: Optimization,
+        *,
+        old_logprobs: OldLogprobs = "rollout",
+        correction: RolloutCorrection | None = None,
+        kl: KLPenalty | None = None,
+        sampler_shares_weights: bool = True,
+    ) -> None:
+        unsupported = objective.requires - SUPPLIED_GATE_INPUTS - {"ref_logp"}
+        if unsupported:
+            raise ValueError(
+                f"{type(objective.gate).__name__} needs {sorted(unsupported)}, which the trainer does not compute "
+                f"(it supplies {sorted(SUPPLIED_GATE_INPUTS)} and ref_logp)."
+            )
+        self.scorer, self.objective, self.optim = scorer, objective, optim
+        self.old_logprobs, self.correction, self.sampler_shares_weights = (
+            old_logprobs,
+            correction,
+            sampler_shares_weights,
+        )
+        self.reward_kl = kl if kl is not None and kl.beta > 0 and kl.placement == "reward" else None
+        self.nonfinite = NonfiniteGuard(optim.max_consecutive_nonfinite)
+
+    @property
+    def wants_rollout_logprobs(self) -> bool:
+        """Whether the engine should return its log-probs (the learner reads them)."""
+        return self.old_logprobs == "rollout" or self.correction is not None
+
+    def add_kl_penalty(self, rollout: Rollout) -> Rollout:
+        """The rollout with ``-beta * sum_t KL_t`` added to its reward, when the KL penalty sits in the reward."""
+        if self.reward_kl is not None:
+            logp, ref_logp = self.scorer.policy_logp(rollout), self.scorer.reference_logp(rollout)
+            rollout.reward = rollout.reward + self.reward_kl.reward_penalty(logp, ref_logp, rollout.completion_mask)
+        return rollout
+
+    def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, float]:
+        """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics
+        (per-update means; ``loss`` and ``grad/norm`` over the updates applied)."""
+        inputs, fixed_metrics = self.step_inputs(rollout, mask)
+        adv = self.objective.weigh(adv, mask, **inputs)
+        sums: dict[str, float] = defaultdict(float)
+        updates = skipped = 0
+        for _ in range(self.optim.ppo_epochs):
+            order = torch.randperm(len(rollout)) if updates + skipped else torch.arange(len(rollout))
+            for rows in collectives.split_rows(order.to(backend.device), self.optim.number_of_minibatches):
+                applied = self._minibatch(rollout, adv, mask, inputs, rows, backend, sums)
+                updates, skipped = updates + applied, skipped + (not applied)
+        out = {key: value / self.optim.ppo_epochs for key, value in sums.items()}
+        for per_update in ("loss", "grad/norm"):
+            out[per_update] = sums[per_update] / updates if updates else math.nan
+        out["train/nonfinite_skipped"] = float(skipped)
+        out["train/lr"] = backend.optimizer.param_groups[0]["lr"]
+        return {**out, **{key: float(value) for key, value in fixed_metrics.items()}}
+
+    def step_inputs(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Everything the updates of this step need that does not change while the policy moves, and its metrics."""
+        single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
+        use_rollout = self.old_logprobs == "rollout" and rollout.logp is not None
+        separate_sampler = rollout.logp is not None and not self.sampler_shares_weights  # a mismatch to log
+        need_train_old = self.correction is not None or separate_sampler or not (use_rollout or single_update)
+        train_old = self.scorer.policy_logp(rollout) if need_train_old else None
+        inputs, metrics = {}, {}
+        old = rollout.logp if use_rollout else train_old
+        if old is not None:  # None: one on-policy update, whose old log-probs are the gradient pass's own, detached
+            inputs["old_logp"] = old
+        if train_old is not None and rollout.logp is not None:
+            metrics = mismatch_metrics(train_old, rollout.logp, mask)
+            if self.correction is not None:
+                inputs["weight"], metrics = self.correction(train_old, rollout.logp, mask)
+        if "ref_logp" in self.objective.requires:
+            inputs["ref_logp"] = self.scorer.reference_logp(rollout)
+        requires, topk = self.objective.requires, self.objective.gate.topk_tokens
+        if "old_router_logp" in requires or "old_topk_logp" in requires:
+            old = self.scorer.rollout_scores(rollout, router="old_router_logp" in requires, topk=topk)
+            inputs |= {"old_router_logp": old.router_logp, "old_topk_logp": old.topk_logp, "topk_ids": old.topk_ids}
+        return {k: v for k, v in inputs.items() if v is not None}, metrics
+
+    def _minibatch(self, rollout, adv, mask, inputs, rows: Tensor, backend: Backend, sums: dict[str, float]) -> bool:
+        """One optimiser update on minibatch ``rows``; adds its diagnostics to ``sums``; False when skipped."""
+        normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(mask[rows]))  # global batch
+        backend.optimizer.zero_grad()
+        micros = rows.split(self.optim.micro_batch_size or len(rows))
+        if backend.sharded:
+            fsdp.check_same_count(len(micros), "micro-batches", backend.device)
+        loss_sum = 0.0
+        for index, micro in enumerate(micros):
+            loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
+            with backend.gradient_sync(index == len(micros) - 1):
+                backend.backward(loss)
+            loss_sum += float(loss.detach())  # micro-batch losses add up to the minibatch loss
+            for key, value in metrics.items():
+                sums[key] += float(value) * len(micro) / len(rollout)
+        loss_sum = collectives.mean_of_scalar(loss_sum, backend.device)  # over the global batch
+        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
+        norm = float(fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm))  # FSDP2: global norm
+        if not self.nonfinite.finite(loss_sum, norm, self.scorer.policy, backend.step):
+            backend.optimizer.zero_grad()
+            return False
+        sums["loss"] += loss_sum
+        sums["grad/norm"] += norm
+        backend.optimizer.step()
+        backend.scheduler.step()
+        return True
+
+    def _micro_loss(self, rollout, adv, mask, inputs, rows, normaliser) -> tuple[Tensor, dict]:
+        width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
+        ids = torch.cat([rollout.prompt_ids[rows], rollout.completion_ids[rows, :width]], 1)
+        attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows, :width]], 1)
+        requires = self.objective.requires
+        at_ids = inputs["topk_ids"][rows, :width] if "topk_logp" in requires else None
+        scores = self.scorer.train_scores(ids, attn, width, router="router_logp" in requires, at_ids=at_ids)
+        fixed = {  # [B, T, ...] rows, or [L, B, T, E] for the router
+            k: v[:, rows, :width] if k == "old_router_logp" else v[rows, :width] for k, v in inputs.items()
+        }
+        fixed.pop("topk_ids", None)
+        old = fixed.pop("old_logp", None)
+        current = {
+            k: v for k, v in (("router_logp", scores.router_logp), ("topk_logp", scores.topk_logp)) if k in requires
+        }
+        return self.objective(
+            scores.logp, scores.logp.detach() if old is None else old, adv[rows, :width], mask[rows, :width],
+            normaliser, entropy=scores.entropy, **fixed, **current,
+        )  # fmt: skip

@@ -1,0 +1,137 @@
+"""The rollout hooks: declared on RolloutCallback (a misspelt one is refused), run by one call each, and enough for a
+LightningModule that is not GPOModule to use DynamicSampling, RolloutMonitor and VLLMWeightSync."""
+
+import inspect
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typing_extensions import override
+
+import gpo.callbacks
+from gpo.callbacks import DynamicSampling, RolloutMonitor, VLLMWeightSync
+from gpo.models.scorer import TokenScorer
+from gpo.rollout import Rollout, Sampling
+from gpo.tasks import make_task
+from gpo.testing import save_tiny_model
+from gpo.train.hooks import RolloutCallback, RolloutSource, run_prompt_hooks, run_rollout_hooks
+from tests.tiny import quiet_trainer
+from tests.vllm_engines import needs_vllm, tiny_vllm_engine
+
+
+def test_a_misspelt_hook_is_refused_when_the_class_is_defined():
+    with pytest.raises(TypeError, match=r"Filter\.on_rollout_ends is not a hook .* did you mean on_rollout_end\?"):
+
+        class Filter(RolloutCallback):
+            def on_rollout_ends(self, trainer, pl_module, rollout):
+                return rollout
+
+    with pytest.raises(TypeError, match=r"on_prompt is not a hook .* did you mean on_prompts\?"):
+
+        class Prompts(RolloutCallback):
+            def on_prompt(self, trainer, pl_module, batch):
+                return batch
+
+
+def test_every_rollout_hook_of_gpos_callbacks_is_marked_override():
+    marked = 0
+    for _, cls in inspect.getmembers(gpo.callbacks, inspect.isclass):
+        if issubclass(cls, RolloutCallback):
+            for name in ("on_prompts", "on_rollout_end"):
+                if name in vars(cls):
+                    assert getattr(vars(cls)[name], "__override__", False), f"{cls.__name__}.{name}"
+                    marked += 1
+    assert marked >= 5  # DynamicSampling, DifficultyFilter (2), RolloutMonitor, CompletionSamples
+
+
+class Keeps(RolloutCallback):
+    def __init__(self, tag):
+        self.tag = tag
+
+    @override
+    def on_prompts(self, trainer, pl_module, batch):
+        return {**batch, "seen": [*batch.get("seen", []), self.tag]}
+
+
+def test_hooks_run_in_order_each_on_the_previous_result_and_plain_callbacks_are_left_alone():
+    class Plain(L.Callback):
+        def on_prompts(self, trainer, pl_module, batch):  # not a RolloutCallback: never called
+            raise AssertionError("a plain Callback's on_prompts ran")
+
+    trainer = type("T", (), {"callbacks": [Keeps("a"), Plain(), Keeps("b")]})()
+    assert run_prompt_hooks(trainer, None, {"prompt": []})["seen"] == ["a", "b"]
+    rollout = Rollout(*(torch.zeros(2, 1, dtype=torch.long),) * 4, torch.zeros(2, dtype=torch.bool), torch.arange(2))
+    assert run_rollout_hooks(trainer, None, rollout) is rollout  # Keeps has no on_rollout_end: kept as it is
+
+
+def digit_share(completions: list[str]) -> torch.Tensor:
+    """The reward: the fraction of a completion's characters that are digits (varies within a group)."""
+    return torch.tensor([sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions])
+
+
+class Reinforce(RolloutSource, L.LightningModule):
+    """Not a GPOModule: samples with a gpo VLLMEngine, scores with a TokenScorer, and trains by group-mean REINFORCE.
+    It declares what the three callbacks read (RolloutSource) and runs the rollout hooks with one call."""
+
+    def __init__(self, folder: str, engine, group_size: int = 4) -> None:
+        super().__init__()
+        self.policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.engine, self.group_size = engine, group_size
+        self.scorer = TokenScorer(self.policy, temperature=engine.sampling.temperature)
+        self.prompts = [self.tokenizer(r["prompt"]).input_ids for r in make_task("sort_digits", 64, seed=0)]
+        self.automatic_optimization, self.drawn = False, 0
+
+    def setup(self, stage):
+        self.engine.setup(self.policy, self.tokenizer)
+
+    def train_dataloader(self):
+        return DataLoader(self.prompts, batch_size=2, collate_fn=list)
+
+    def sample(self, prompt_ids) -> Rollout:
+        rollout = self.engine.generate(prompt_ids, self.group_size, seed=self.drawn, logprobs=True)
+        self.drawn += 1
+        completions = self.tokenizer.batch_decode(
+            rollout.completion_ids * rollout.completion_mask, skip_special_tokens=True
+        )
+        rollout.reward = digit_share(completions)
+        return rollout
+
+    def draw_rollout(self) -> Rollout:
+        return self.sample(self.prompts[self.drawn % 32 * 2 :][:2])
+
+    def training_step(self, batch, batch_idx):
+        rollout = run_rollout_hooks(self.trainer, self, self.sample(batch))
+        if len(rollout) == 0:
+            return
+        _, group = torch.unique(rollout.group, return_inverse=True)
+        baseline = torch.zeros(int(group.max()) + 1).index_reduce(0, group, rollout.reward, "mean", include_self=False)
+        width = rollout.completion_ids.shape[1]
+        logp = self.scorer.train_scores(rollout.input_ids, rollout.attention_mask, width, router=False).logp
+        mask = rollout.completion_mask.float()
+        loss = -((rollout.reward - baseline[group])[:, None] * logp * mask).sum() / mask.sum()
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("reward", rollout.reward.mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.policy.parameters(), lr=0.1)
+
+
+@needs_vllm
+def test_a_lightning_module_that_is_not_gpos_uses_three_callbacks_with_one_hook_call(tmp_path):
+    folder = str(save_tiny_model(tmp_path / "model"))
+    module = Reinforce(folder, tiny_vllm_engine(sampling=Sampling(temperature=0.8, max_new_tokens=4)))
+    sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
+    monitor = RolloutMonitor(compute_entropy=True, warmup=1)
+    sampling = DynamicSampling(max_rounds=2)
+    trainer = quiet_trainer(3, [sync, sampling, monitor])
+    trainer.fit(module)
+    logged = trainer.callback_metrics
+    assert sync.syncs == 4 and float(logged["weight_sync/logprob_diff_max"]) < 1e-4  # verified after every step
+    assert float(logged["monitor/entropy"]) > 0 and "dynamic_sampling/groups_drawn" in logged
+    assert sampling.totals["steps"] == 3
