@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
 TrainerMode = Literal["full", "lora", "qlora"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -40,6 +43,32 @@ class LoraSettings:
             raise ValueError(f"model.lora.alpha={self.alpha} must be > 0 (the update is scaled by alpha / r).")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1) (0 disables it).")
+
+
+def check_pretrained_folder(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
+    """Refuse a local ``path`` that does not exist or lacks ``kind``'s files; a hub id (``org/name``) that is not
+    a local folder is left to transformers."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID.match(path):
+            return
+        raise FileNotFoundError(
+            f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
+            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model); relative paths start "
+            f"from the working directory."
+        )
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{field}={path!r} is a file; give the folder that holds it (save_pretrained's).")
+    if kind == "model" and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{field}={path!r} has no config.json, so it is not a transformers model folder; point {field} at the "
+            f"folder written by model.save_pretrained."
+        )
+    if kind == "tokenizer" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{field}={path!r} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer into that folder with tokenizer.save_pretrained(folder)."
+        )
 
 
 def check_trainer_mode(mode: str) -> None:

@@ -14,8 +14,8 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gpo.models.loading import check_pretrained_folder
 from gpo.parallel import collectives
-from gpo.train.preflight import check_pretrained_folder
 
 log = logging.getLogger(__name__)
 

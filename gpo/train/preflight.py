@@ -5,48 +5,19 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from gpo.algo.gates import NoGate, RatioGate
+from gpo.models.loading import check_pretrained_folder
 from gpo.rewards.runner import reward_name
 
 log = logging.getLogger(__name__)
 
 #: Columns the trainer adds to every reward call (``gpo.rewards.runner.score``), whatever the dataset holds.
 TRAINER_COLUMNS = frozenset({"completion_ids"})
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-
-
-def check_pretrained_folder(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
-    """Refuse a local ``path`` that does not exist or lacks ``kind``'s files; a hub id (``org/name``) that is not
-    a local folder is left to transformers."""
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        if _HUB_ID.match(path):
-            return
-        raise FileNotFoundError(
-            f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
-            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model); relative paths start "
-            f"from the working directory."
-        )
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{field}={path!r} is a file; give the folder that holds it (save_pretrained's).")
-    if kind == "model" and not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{field}={path!r} has no config.json, so it is not a transformers model folder; point {field} at the "
-            f"folder written by model.save_pretrained."
-        )
-    if kind == "tokenizer" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"{field}={path!r} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); save the "
-            "tokenizer into that folder with tokenizer.save_pretrained(folder)."
-        )
 
 
 def check_reward_signature(fn: Any, index: int) -> None:
