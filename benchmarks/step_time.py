@@ -1,12 +1,14 @@
-"""Step time of ``GPOModule`` split into rollout / scoring / training, against the bare work on the same tokens.
+"""Step time of ``GPOModule`` against a bare loop doing the same generate + forward/backward/optimiser work.
 
-Workload (all sizes are flags): a tiny random llama built locally by ``gpo.testing.save_tiny_model`` (hidden 256,
-4 layers, character vocabulary), ``sort_digits`` prompts from ``gpo.tasks``, ``prompts_per_step`` prompts x
-``group_size`` completions per step, ``max_new_tokens`` sampled at temperature 1 (no top-p/top-k), the ``grpo``
-preset with one optimiser step per rollout batch and old log-probs recomputed by the trainer
-(``old_logprobs="trainer"``: on-policy, so they are the current ones, detached), AdamW, float32, the
-``positional_match`` reward. A Lightning ``Trainer`` (logger, checkpoints and progress bar off) runs
-``warmup + steps`` steps; the ``steps`` after the warm-up are measured.
+Two workloads (``--preset``; every size is also a flag): ``quickstart``, the CPU quickstart's size (a tiny random
+llama of hidden 64 and 2 layers, 8 prompts x 8 completions of up to 4 tokens, lr 1e-3), where a step is tens of
+milliseconds and any fixed per-step cost shows; and ``long`` (hidden 256, 4 layers, 32 tokens), where a step is
+most of a second. Both: a character vocabulary, ``sort_digits`` prompts, temperature 1 (no top-p/top-k), the
+``grpo`` preset with one optimiser step per rollout batch and old log-probs recomputed by the trainer
+(``old_logprobs="trainer"``: on-policy, the current ones detached), AdamW, float32, the ``positional_match``
+reward. A Lightning ``Trainer`` runs ``warmup + steps`` steps with the default loggers of ``gpo fit`` (CSV and
+TensorBoard, ``--log-every-n-steps``; ``--loggers none`` turns them off), no checkpoints and no progress bar; the
+``steps`` after the warm-up are measured.
 
 Measured per step:
 
@@ -16,6 +18,10 @@ Measured per step:
   and its scorer.
 * ``step``: wall time from the end of one training batch to the end of the next, so Lightning's loop, data
   loading and logging are included.
+* the profile: ``generate``, the sampler's log-prob pass, forward + loss (``Learner._micro_loss``), backward
+  (``manual_backward``), optimiser (gradient clipping + ``AdamW.step``), logging (``gpo.train.metrics.publish``),
+  gpo's bookkeeping (the rest of ``training_step``: hooks, decoding, rewards, advantages, metrics) and the loop
+  (the step's wall time outside ``training_step``), each timed by wrapping that function.
 * rollout tokens/s: generated completion tokens (up to and including EOS) per second of rollout time.
 * training tokens/s: prompt + completion tokens (attention-mask ones) per second of training time.
 
@@ -28,7 +34,8 @@ generate + bare train).
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
-    python benchmarks/step_time.py
+    python benchmarks/step_time.py --preset quickstart --steps 200
+    python benchmarks/step_time.py --preset long
     python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
 
 See ``--help`` for the sizes, steps and threads.
@@ -62,6 +69,9 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
 
+import gpo.parallel.fsdp
+import gpo.train.module
+from gpo.cli import default_loggers
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
@@ -70,6 +80,12 @@ from gpo.train.data import PromptDataModule
 from gpo.train.hooks import RolloutCallback
 from gpo.train.module import GPOModule
 from gpo.train.optimization import Optimization
+
+PROFILED = ("generate", "sampler_logp", "forward", "backward", "optimiser", "logging", "inside")
+PRESETS = {  # --preset: the sizes of each workload
+    "quickstart": {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3},
+    "long": {"hidden_size": 256, "num_layers": 4, "max_new_tokens": 32, "lr": 1e-6},
+}
 
 
 @dataclass
@@ -82,6 +98,11 @@ class Step:
     training_s: float
     generate_s: float
     sampler_logp_s: float
+    forward_s: float
+    backward_s: float
+    optimiser_s: float
+    logging_s: float
+    inside_s: float  # the whole training_step
     prompt_ids: Tensor  # [B, P]
     prompt_mask: Tensor  # [B, P]
     completion_ids: Tensor  # [B, T]
@@ -164,7 +185,7 @@ class StepRecorder(RolloutCallback):
         self.last_end: float | None = None
         self.rollout = None
         self.engine = engine
-        self.engine_times = {"generate": 0.0, "sampler_logp": 0.0}
+        self.times = dict.fromkeys(PROFILED, 0.0)
         engine._sample = self._timed(engine._sample, "generate")
 
     def _timed(self, fn, key):
@@ -173,18 +194,27 @@ class StepRecorder(RolloutCallback):
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.engine_times[key] += time.perf_counter() - started
+                self.times[key] += time.perf_counter() - started
 
         return wrapper
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
+        # Each wrapped at the place gpo looks it up, so gpo's code runs unchanged inside the timers.
         scorer = self.engine.scorer  # the engine's own, built at setup: it scores only the sampler's log-probs
         scorer.policy_logp = self._timed(scorer.policy_logp, "sampler_logp")
+        learner = pl_module.learner
+        learner._micro_loss = self._timed(learner._micro_loss, "forward")
+        pl_module.manual_backward = self._timed(pl_module.manual_backward, "backward")
+        optimizer = pl_module.optimizers().optimizer
+        optimizer.step = self._timed(optimizer.step, "optimiser")
+        gpo.parallel.fsdp.clip_grad_norm = self._timed(gpo.parallel.fsdp.clip_grad_norm, "optimiser")
+        gpo.train.module.publish = self._timed(gpo.train.module.publish, "logging")
+        pl_module.training_step = self._timed(pl_module.training_step, "inside")
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.engine_times = dict.fromkeys(self.engine_times, 0.0)
+        self.times = dict.fromkeys(self.times, 0.0)
         if self.profiler is not None and batch_idx == self.warmup:
             self.profiler.enable()
 
@@ -201,8 +231,13 @@ class StepRecorder(RolloutCallback):
             rollout_s=float(logged["time/rollout_s"]),
             scoring_s=float(logged["time/scoring_s"]),
             training_s=float(logged["time/training_s"]),
-            generate_s=self.engine_times["generate"],
-            sampler_logp_s=self.engine_times["sampler_logp"],
+            generate_s=self.times["generate"],
+            sampler_logp_s=self.times["sampler_logp"],
+            forward_s=self.times["forward"],
+            backward_s=self.times["backward"],
+            optimiser_s=self.times["optimiser"],
+            logging_s=self.times["logging"],
+            inside_s=self.times["inside"],
             prompt_ids=r.prompt_ids.clone(),
             prompt_mask=r.prompt_mask.clone(),
             completion_ids=r.completion_ids.clone(),
@@ -245,7 +280,8 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         devices=1,
         default_root_dir=root,  # anything the module writes at the end stays in the temporary folder
         max_steps=args.warmup + args.steps,  # one optimiser step per rollout batch here
-        logger=False,
+        logger=default_loggers(str(root)) if args.loggers == "default" else False,
+        log_every_n_steps=args.log_every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -297,6 +333,23 @@ def report(steps: list[Step]) -> None:
     for name, ours, theirs in rows:
         ratio = f"{mean(ours) / mean(theirs):.2f}x" if theirs else "-"
         print(f"| {name} | {mean_sd(ours)} | {mean_sd(theirs) if theirs else '-'} | {ratio} |")
+    print("\n## Where a gpo step goes (mean ± sd, ms)\n")
+    print("| part | ms/step | share of the step |")
+    print("| --- | ---: | ---: |")
+    counted = ("generate_s", "sampler_logp_s", "forward_s", "backward_s", "optimiser_s", "logging_s")
+    parts = [
+        ("generate", [s.generate_s for s in steps]),
+        ("sampler log-prob pass", [s.sampler_logp_s for s in steps]),
+        ("forward + loss", [s.forward_s for s in steps]),
+        ("backward", [s.backward_s for s in steps]),
+        ("optimiser (clip + AdamW step)", [s.optimiser_s for s in steps]),
+        ("logging (metrics to loggers, callbacks, progress bar)", [s.logging_s for s in steps]),
+        ("gpo bookkeeping (rest of training_step)", [s.inside_s - sum(getattr(s, k) for k in counted) for s in steps]),
+        ("Lightning loop (outside training_step)", [s.wall_s - s.inside_s for s in steps]),
+    ]
+    for name, values in parts:
+        millis = [v * 1e3 for v in values]
+        print(f"| {name} | {mean_sd(millis)} | {mean(values) / mean(wall):.1%} |")
     per_step = statistics.median(w / b for w, b in zip(wall, bare_step, strict=True))
     print(
         f"\n**Overhead: {mean(wall) / mean(bare_step):.2f}x** (gpo step / (bare generate + bare train), means; ", end=""
@@ -328,6 +381,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="print cProfile's TOP entries for the measured gpo steps instead"
     )
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="workload sizes (explicit flags still override)")
+    parser.add_argument("--loggers", choices=["default", "none"], default="default", help="CSV + TensorBoard, or none")
+    parser.add_argument("--log-every-n-steps", type=int, default=10, help="(default: %(default)s, the quickstart's)")
+    if "--preset" in sys.argv:  # the preset's sizes become the defaults, so explicit flags still win
+        parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")
@@ -353,7 +411,8 @@ def main() -> None:
         f"- workload: tiny llama hidden {args.hidden_size}, {args.num_layers} layers, float32; sort_digits, "
         f"{args.prompts_per_step} prompts x {args.group_size} completions, max_new_tokens {args.max_new_tokens}, "
         f"temperature 1.0; grpo, old log-probs from the batch, 1 optimiser step per batch, AdamW lr {args.lr}; "
-        f"{args.warmup} warm-up + {args.steps} measured steps"
+        f"{args.warmup} warm-up + {args.steps} measured steps; loggers: {args.loggers} (every "
+        f"{args.log_every_n_steps} steps)"
     )
     print(f"- load average (1 min) before the run: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:

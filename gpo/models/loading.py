@@ -136,13 +136,16 @@ def unwrap(model: PreTrainedModel) -> PreTrainedModel:
 
 @contextlib.contextmanager
 def training_mode(model: torch.nn.Module, training: bool) -> Iterator[torch.nn.Module]:
-    """Run a block with ``model.train(training)``, restoring the previous mode afterwards."""
+    """Run a block with ``model.train(training)``, restoring the previous mode afterwards. A model already in that
+    mode is left alone: switching walks every submodule (milliseconds per call for a large model)."""
     was_training = model.training
-    model.train(training)
+    if was_training != training:
+        model.train(training)
     try:
         yield model
     finally:
-        model.train(was_training)
+        if was_training != training:
+            model.train(was_training)
 
 
 @contextlib.contextmanager

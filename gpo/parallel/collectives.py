@@ -3,7 +3,7 @@ is not initialised, so the single-process path computes exactly what it computed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -34,14 +34,6 @@ def reduce_over_ranks(x: Tensor, op: Literal["sum", "min", "max"]) -> Tensor:
     reduced = x.detach().clone()
     dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op.upper()))
     return reduced
-
-
-def mean_of_scalar(value: float, device: torch.device | str = "cpu") -> float:
-    """The mean of a float over the ranks, by one all-reduce on ``device`` (the backend's: CUDA for NCCL);
-    ``value`` itself when not distributed."""
-    if not is_distributed():
-        return value
-    return float(reduce_over_ranks(torch.tensor(value, dtype=torch.float64, device=device), "sum")) / world_size()
 
 
 def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu") -> bool:
@@ -104,25 +96,18 @@ def gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
-def combine_metrics(per_rank: list[dict[str, float]], how: Callable[[list[float]], float]) -> dict[str, float]:
-    """One dict from the ranks' metric dicts: ``how`` of the values of each key over the ranks that have it (keys
-    in first-seen order; a rank may lack a key, e.g. a reward function that failed only there)."""
-    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
-    return {key: how([metrics[key] for metrics in per_rank if key in metrics]) for key in keys}
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric's mean over the ranks (``metrics`` itself when not distributed)."""
-    if not is_distributed():
+def reduce_metrics(metrics: dict[str, Tensor], op: Literal["mean", "sum"]) -> dict[str, Tensor]:
+    """Each 0-d tensor of ``metrics`` reduced over the ranks by one all-reduce of them stacked (``metrics`` itself when
+    not distributed). Every rank must hold the same keys in the same order; a rank that does not is an error."""
+    if not is_distributed() or not metrics:
         return metrics
-    return combine_metrics(gather_objects(metrics), lambda values: sum(values) / len(values))
-
-
-def total_over_ranks(counts: dict[str, float]) -> dict[str, float]:
-    """Each count's sum over the ranks (``counts`` itself when not distributed)."""
-    if not is_distributed():
-        return counts
-    return combine_metrics(gather_objects(counts), sum)
+    keys = list(metrics)
+    stacked = torch.stack([metrics[k].detach().to(torch.float64) for k in keys])  # [K]
+    tag = torch.tensor(zlib.crc32("\n".join(keys).encode()), dtype=torch.float64, device=stacked.device)  # []
+    if reduce_over_ranks(tag, "max") != reduce_over_ranks(tag, "min"):
+        raise RuntimeError(f"the ranks logged different metrics ({len(keys)} here): every rank must log the same keys.")
+    values = reduce_over_ranks(stacked, "sum") / (world_size() if op == "mean" else 1)  # [K]
+    return {key: value.to(metrics[key].dtype) for key, value in zip(keys, values, strict=True)}
 
 
 def gather_step(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], slice]:

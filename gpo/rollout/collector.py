@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo.mixers import RewardMixer, WeightedSum
@@ -24,7 +25,7 @@ class CollectionStats:
     """What the collection of one step cost: every round counted, kept or not."""
 
     rollout_s: float = 0.0  # seconds in the engine
-    generated_tokens: float = 0.0  # completion tokens sampled
+    generated_tokens: Tensor | float = 0.0  # completion tokens sampled (a tensor once a round was sampled)
     reward_errors: Counter = field(default_factory=Counter)  # samples scored as RewardErrors.value, per function
 
 
@@ -82,7 +83,7 @@ class Collector:
         started = time.perf_counter()
         rollout = self.sample(batch, seed=seed, logprobs=self.logprobs)
         self.stats.rollout_s += time.perf_counter() - started
-        self.stats.generated_tokens += float(rollout.completion_mask.sum())
+        self.stats.generated_tokens = self.stats.generated_tokens + rollout.completion_mask.sum()
         return self.score(rollout, self.stats.reward_errors)
 
     def collect_more(self) -> Rollout:

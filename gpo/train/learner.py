@@ -98,12 +98,13 @@ class Learner:
             rollout.reward = rollout.reward + self.reward_kl.reward_penalty(logp, ref_logp, rollout.completion_mask)
         return rollout
 
-    def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, float]:
-        """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics
-        (per-update means; ``loss`` and ``grad/norm`` over the updates applied)."""
+    def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor]:
+        """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics as
+        0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied)."""
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
         adv = self.objective.weigh(adv, mask, **inputs)
-        sums: dict[str, float] = defaultdict(float)
+        zero = torch.zeros((), device=backend.device)
+        sums: dict[str, Tensor] = defaultdict(lambda: zero)
         updates = skipped = 0
         for _ in range(self.optim.ppo_epochs):
             order = torch.randperm(len(rollout)) if updates + skipped else torch.arange(len(rollout))
@@ -112,10 +113,10 @@ class Learner:
                 updates, skipped = updates + applied, skipped + (not applied)
         out = {key: value / self.optim.ppo_epochs for key, value in sums.items()}
         for per_update in ("loss", "grad/norm"):
-            out[per_update] = sums[per_update] / updates if updates else math.nan
-        out["train/nonfinite_skipped"] = float(skipped)
-        out["train/lr"] = backend.optimizer.param_groups[0]["lr"]
-        return {**out, **{key: float(value) for key, value in fixed_metrics.items()}}
+            out[per_update] = sums[per_update] / updates if updates else zero + math.nan
+        out["train/nonfinite_skipped"] = zero + skipped
+        out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
+        return {**out, **{key: value.detach().float() for key, value in fixed_metrics.items()}}
 
     def step_inputs(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Everything the updates of this step need that does not change while the policy moves, and its metrics."""
@@ -140,29 +141,30 @@ class Learner:
             inputs |= {"old_router_logp": old.router_logp, "old_topk_logp": old.topk_logp, "topk_ids": old.topk_ids}
         return {k: v for k, v in inputs.items() if v is not None}, metrics
 
-    def _minibatch(self, rollout, adv, mask, inputs, rows: Tensor, backend: Backend, sums: dict[str, float]) -> bool:
+    def _minibatch(self, rollout, adv, mask, inputs, rows: Tensor, backend: Backend, sums: dict[str, Tensor]) -> bool:
         """One optimiser update on minibatch ``rows``; adds its diagnostics to ``sums``; False when skipped."""
         normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(mask[rows]))  # global batch
         backend.optimizer.zero_grad()
         micros = rows.split(self.optim.micro_batch_size or len(rows))
         if backend.sharded:
             fsdp.check_same_count(len(micros), "micro-batches", backend.device)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=backend.device)
         for index, micro in enumerate(micros):
             loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
             with backend.gradient_sync(index == len(micros) - 1):
                 backend.backward(loss)
-            loss_sum += float(loss.detach())  # micro-batch losses add up to the minibatch loss
+            loss_sum = loss_sum + loss.detach()  # micro-batch losses add up to the minibatch loss
             for key, value in metrics.items():
-                sums[key] += float(value) * len(micro) / len(rollout)
-        loss_sum = collectives.mean_of_scalar(loss_sum, backend.device)  # over the global batch
+                sums[key] = sums[key] + value.detach().float() * (len(micro) / len(rollout))
+        loss_sum = collectives.reduce_over_ranks(loss_sum, "sum") / collectives.world_size()  # over the global batch
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
-        norm = float(fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm))  # FSDP2: global norm
-        if not self.nonfinite.finite(loss_sum, norm, self.scorer.policy, backend.step):
+        norm = fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)  # FSDP2: global norm
+        loss_value, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one host sync per update
+        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step):
             backend.optimizer.zero_grad()
             return False
-        sums["loss"] += loss_sum
-        sums["grad/norm"] += norm
+        sums["loss"] = sums["loss"] + loss_sum
+        sums["grad/norm"] = sums["grad/norm"] + norm
         backend.optimizer.step()
         backend.scheduler.step()
         return True

@@ -1,22 +1,20 @@
-"""What a training step logs about its rollout: rewards, lengths, advantages, timings and throughput."""
+"""What a training step logs, and how it reaches the loggers, the progress bar and the callbacks cheaply."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 import torch
+from lightning import Trainer
 from torch import Tensor
 
-from gpo.parallel import collectives
 from gpo.rewards.runner import RewardFn, reward_name
 from gpo.rollout.base import Rollout
 
 
-def step_metrics(
-    step: dict[str, Tensor], adv: Tensor, rewards: Sequence[RewardFn], reward_errors: Mapping[str, int]
-) -> dict[str, Tensor]:
-    """Statistics of the step's rows over every rank (``step`` and ``adv`` as from ``collectives.gather_step``);
-    ``reward_errors`` counts this rank's samples scored as ``reward_errors.value``, per reward function."""
+def step_metrics(step: dict[str, Tensor], adv: Tensor, rewards: Sequence[RewardFn]) -> dict[str, Tensor]:
+    """Statistics of the step's rows over every rank (``step`` and ``adv`` as from ``collectives.gather_step``), as
+    0-d tensors on the step's device."""
     lengths, reward, scores, mask = step["lengths"].float(), step["reward"], step["scores"], step["mask"]
     metrics = {
         "reward/mean": reward.mean(),
@@ -29,20 +27,53 @@ def step_metrics(
     }
     for k, fn in enumerate(rewards):
         metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
-    for name, count in collectives.total_over_ranks(dict(reward_errors)).items():
-        metrics[f"reward_errors/{name}"] = torch.tensor(float(count))
     return metrics
 
 
+def count_metrics(reward_errors: Mapping[str, int], device: torch.device) -> dict[str, Tensor]:
+    """This rank's samples scored as ``reward_errors.value``, per reward function (``reward_errors/<name>``)."""
+    return {f"reward_errors/{name}": torch.tensor(float(n), device=device) for name, n in reward_errors.items()}
+
+
 def throughput(
-    rollout: Rollout, generated: float, rollout_s: float, scoring_s: float, training_s: float
-) -> dict[str, float]:
+    rollout: Rollout, generated: Tensor, rollout_s: float, scoring_s: float, training_s: float
+) -> dict[str, Tensor]:
     """Step time split and tokens/s: ``generated`` counts every sampled round, ``rollout`` is what trained."""
-    processed = float(rollout.attention_mask.sum())
+    processed = rollout.attention_mask.sum().float()
+    seconds = torch.tensor([rollout_s, scoring_s, training_s], dtype=torch.float32, device=processed.device)  # [3]
     return {
-        "time/rollout_s": rollout_s,
-        "time/scoring_s": scoring_s,
-        "time/training_s": training_s,
-        "throughput/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
-        "throughput/training_tokens_per_s": processed / max(training_s, 1e-9),
+        "time/rollout_s": seconds[0],
+        "time/scoring_s": seconds[1],
+        "time/training_s": seconds[2],
+        "throughput/rollout_tokens_per_s": generated / seconds[0].clamp_min(1e-9),
+        "throughput/training_tokens_per_s": processed / seconds[2].clamp_min(1e-9),
     }
+
+
+def log_due(trainer: Trainer) -> bool:
+    """Whether this training batch's metrics go to the loggers: every ``trainer.log_every_n_steps`` batches, as
+    Lightning schedules its own logging (so gpo's rows and the callbacks' rows coincide), and at the last step."""
+    every = trainer.log_every_n_steps
+    batch = trainer.fit_loop.epoch_loop.total_batch_idx
+    last = 0 < trainer.max_steps <= trainer.global_step
+    return every > 0 and ((batch + 1) % every == 0 or last or trainer.should_stop)
+
+
+def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress: Sequence[str] = ("reward",)) -> None:
+    """Hand a training step's metrics (0-d tensors) on without Lightning's per-key logging path.
+
+    Every step: ``trainer.callback_metrics`` (what callbacks read) and the progress bar's ``progress`` keys are
+    updated with the tensors themselves (no host sync). With ``log``: all values are copied to the host at once and
+    written to every logger at ``step`` = the training batch's index, the step Lightning gives the metrics callbacks
+    log at the same batch."""
+    trainer.callback_metrics.update(metrics)
+    trainer.progress_bar_metrics.update({key: metrics[key] for key in progress if key in metrics})
+    if not log or not trainer.loggers:
+        return
+    keys = list(metrics)
+    values = torch.stack([metrics[key].detach().float() for key in keys]).tolist()  # one device-to-host copy
+    row = dict(zip(keys, values, strict=True))
+    step = trainer.fit_loop.epoch_loop.total_batch_idx
+    for logger in trainer.loggers:
+        logger.log_metrics(row, step=step)
+        logger.save()

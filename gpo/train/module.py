@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -33,11 +32,9 @@ from gpo.train.data import PromptDraws
 from gpo.train.evaluation import Evaluation, evaluate
 from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
 from gpo.train.learner import Backend, Learner, OldLogprobs
-from gpo.train.metrics import step_metrics, throughput
+from gpo.train.metrics import count_metrics, log_due, publish, step_metrics, throughput
 from gpo.train.optimization import Optimization
-from gpo.train.random_state import capture_random_state, restore_random_state
-
-log = logging.getLogger(__name__)
+from gpo.train.run_state import restore_random_state, restored_run_state, run_state
 
 
 class GPOModule(RolloutSource, LightningModule):
@@ -162,20 +159,11 @@ class GPOModule(RolloutSource, LightningModule):
     # ---- resume: what a checkpoint needs beyond weights, optimiser, scheduler and loop counters ---------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Under DDP each rank has its own draws (extra prompt batches, generators): all are saved, each reads its own.
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
-        ranks = collectives.gather_objects({"random_state": capture_random_state(), "extra_batches_drawn": drawn})
-        checkpoint["gpo"] = {**ranks[0], "nonfinite_streak": self.learner.nonfinite.streak}
-        if len(ranks) > 1:
-            checkpoint["gpo"]["ranks"] = ranks
+        checkpoint["gpo"] = run_state(drawn, self.learner.nonfinite.streak)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("gpo", {})
-        ranks, size = state.get("ranks", [state]), collectives.world_size()
-        if len(ranks) != size:
-            log.warning("checkpoint of %d processes resumed by %d: all resume rank 0's draws", len(ranks), size)
-        self._restored = ranks[collectives.rank()] if len(ranks) == size else ranks[0]
-        self.learner.nonfinite.streak = state.get("nonfinite_streak", 0)
+        self._restored, self.learner.nonfinite.streak = restored_run_state(checkpoint.get("gpo", {}))
 
     def on_train_start(self) -> None:
         drawn = self._restored.get("extra_batches_drawn", 0)
@@ -189,24 +177,35 @@ class GPOModule(RolloutSource, LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
         self.collector.begin_step(self.trainer.fit_loop.epoch_loop.total_batch_idx)  # advances on skipped steps too
-        batch = run_prompt_hooks(self.trainer, self, batch)
-        held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)  # all ranks train or all skip
-        rollout = run_rollout_hooks(self.trainer, self, self._collect(batch)) if held else None
-        minibatches = self.optim.number_of_minibatches
-        if rollout is None or not collectives.every_rank_holds(len(rollout), minibatches, self.device):
-            self.log("rollout/skipped", 1.0, on_step=True)
+        rollout = self._rollout(run_prompt_hooks(self.trainer, self, batch))
+        if rollout is None:
+            publish(self.trainer, {"rollout/skipped": torch.ones((), device=self.device)}, log=log_due(self.trainer))
             return
         collected = time.perf_counter()
         mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
         step, step_adv, adv = self._advantages(rollout, mask)
         metrics = self.learner.update(rollout, adv, mask, self._backend())
-        stats = self.collector.stats
-        times = (stats.rollout_s, collected - started - stats.rollout_s, time.perf_counter() - collected)
-        metrics.update(throughput(rollout, stats.generated_tokens, *times))
-        metrics = collectives.mean_over_ranks(metrics)
-        metrics |= step_metrics(step, step_adv, self.collector.rewards, stats.reward_errors)
-        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, prog_bar=False)
-        self.log("reward", float(metrics["reward/mean"]), prog_bar=True, on_step=True)
+        self._publish(rollout, step, step_adv, metrics, (started, collected, time.perf_counter()))
+
+    def _rollout(self, batch: dict[str, Any]) -> Rollout | None:
+        """The scored rollout of ``batch`` after the rollout hooks; None when any rank has too few rows to train (all
+        ranks then skip the step together)."""
+        held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)
+        rollout = run_rollout_hooks(self.trainer, self, self._collect(batch)) if held else None
+        rows = len(rollout) if rollout is not None else 0
+        return rollout if collectives.every_rank_holds(rows, self.optim.number_of_minibatches, self.device) else None
+
+    def _publish(self, rollout, step, step_adv, metrics, clock: tuple[float, float, float]) -> None:
+        """The step's metrics to the callbacks and progress bar, and to the loggers when logging is due."""
+        stats, log = self.collector.stats, log_due(self.trainer)
+        started, collected, done = clock
+        metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, collected - started - stats.rollout_s,
+                              done - collected)  # fmt: skip
+        counts = count_metrics(stats.reward_errors, self.device)
+        if log:  # rank means and sums only where they are written: one all-reduce each
+            metrics, counts = collectives.reduce_metrics(metrics, "mean"), collectives.reduce_metrics(counts, "sum")
+        metrics |= counts | step_metrics(step, step_adv, self.collector.rewards)
+        publish(self.trainer, {**metrics, "reward": metrics["reward/mean"]}, log=log)
 
     def _advantages(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """The step's rows over every rank, their advantages ``[B_all, T_all]`` and this rank's ``adv[B, T]`` (plus

@@ -11,6 +11,7 @@ from gpo.parallel import collectives
 from gpo.train.data import EpochOrder, PromptDataModule
 from gpo.train.hooks import RolloutSource
 from gpo.train.preflight import check_minibatches
+from tests.ports import free_port
 
 
 def share(size: int, rank: int, world_size: int, seed: int = 0) -> list[int]:
@@ -73,16 +74,33 @@ def test_without_a_process_group_every_collective_returns_its_input():
     gathered, rows = collectives.gather_rows(x)
     assert gathered is x and rows == slice(0, 3)
     assert collectives.reduce_over_ranks(x, "sum") is x and collectives.ddp_normaliser(x) is x
-    metrics = {"loss": 1.5}
-    assert collectives.mean_over_ranks(metrics) is metrics and collectives.total_over_ranks(metrics) is metrics
+    metrics = {"loss": torch.tensor(1.5)}
+    assert collectives.reduce_metrics(metrics, "mean") is metrics
     assert collectives.gather_objects("a") == ["a"]
     order = torch.arange(7)
     assert [p.tolist() for p in collectives.split_rows(order, 3)] == [p.tolist() for p in order.chunk(3)]
     assert collectives.every_rank_holds(1, 4) and not collectives.every_rank_holds(0, 1)
 
 
-def test_rank_metrics_combine_per_key_over_the_ranks_that_have_it():
-    per_rank = [{"loss": 1.0, "reward_errors/f": 2.0}, {"loss": 3.0}]
-    assert collectives.combine_metrics(per_rank, sum) == {"loss": 4.0, "reward_errors/f": 2.0}
-    mean = collectives.combine_metrics(per_rank, lambda values: sum(values) / len(values))
-    assert mean == {"loss": 2.0, "reward_errors/f": 2.0}
+def reduce_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    metrics = {"loss": torch.tensor(float(rank)), "count": torch.tensor(2.0 * rank + 1)}
+    result = {"mean": collectives.reduce_metrics(metrics, "mean"), "sum": collectives.reduce_metrics(metrics, "sum")}
+    try:
+        collectives.reduce_metrics({"loss": torch.tensor(0.0)} if rank else metrics, "mean")
+    except RuntimeError as error:
+        result["mismatch"] = str(error)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_metrics_reduce_over_two_processes_with_one_all_reduce_and_refuse_different_keys(tmp_path):
+    torch.multiprocessing.spawn(reduce_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        # loss 0 and 1: mean 0.5, sum 1; count 1 and 3: mean 2, sum 4
+        assert {k: float(v) for k, v in result["mean"].items()} == {"loss": 0.5, "count": 2.0}
+        assert {k: float(v) for k, v in result["sum"].items()} == {"loss": 1.0, "count": 4.0}
+        assert "every rank must log the same keys" in result["mismatch"]

@@ -1,12 +1,18 @@
-"""Every random generator a run draws from, captured into checkpoint-safe values and put back on resume."""
+"""What a checkpoint holds of a run beyond weights, optimiser, scheduler and loop counters: every random generator,
+the extra prompt batches drawn, the non-finite streak; per rank, as checkpoint-safe values."""
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+from gpo.parallel import collectives
+
+log = logging.getLogger(__name__)
 
 
 def capture_random_state() -> dict[str, Any]:
@@ -38,3 +44,22 @@ def restore_random_state(state: dict[str, Any]) -> None:
 def _as_tuples(value: Any) -> Any:
     """Python's generator state is nested tuples; a checkpoint round trip may hand lists back."""
     return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def run_state(extra_batches_drawn: int, nonfinite_streak: int) -> dict[str, Any]:
+    """This run's state for ``checkpoint["gpo"]``. Under DDP each rank has its own draws (extra prompt batches,
+    generators): every rank's are gathered (a collective: every rank calls it) and kept under ``ranks``."""
+    ranks = collectives.gather_objects(
+        {"random_state": capture_random_state(), "extra_batches_drawn": extra_batches_drawn}
+    )
+    state = {**ranks[0], "nonfinite_streak": nonfinite_streak}
+    return {**state, "ranks": ranks} if len(ranks) > 1 else state
+
+
+def restored_run_state(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """This rank's part of a saved ``run_state`` (rank 0's, with a warning, when the number of processes changed)
+    and the non-finite streak."""
+    ranks, size = state.get("ranks", [state]), collectives.world_size()
+    if len(ranks) != size:
+        log.warning("checkpoint of %d processes resumed by %d: all resume rank 0's draws", len(ranks), size)
+    return (ranks[collectives.rank()] if len(ranks) == size else ranks[0]), state.get("nonfinite_streak", 0)
