@@ -9,6 +9,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from gpo.train.checkpointing import RunLock
+
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what shells and schedulers report for a terminated job
 
 
@@ -20,6 +22,10 @@ class ResumeCheckpoint(ModelCheckpoint):
     Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
     notices SIGTERM only at the end of an epoch. Files are replaced atomically when the trainer's checkpoint IO is
     gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
+
+    One run at a time per folder: a second run started on the folder of a live one stops at once, and a fresh run
+    refuses a folder that holds an earlier run's ``last.ckpt`` (continue it with ``--ckpt_path last``, or choose
+    another folder); see ``gpo.train.checkpointing.RunLock``.
 
     Works with any LightningModule. ``gpo fit`` adds one (``<default_root_dir>/checkpoints``, every 100 steps) unless
     ``trainer.callbacks`` already holds a ``ModelCheckpoint``.
@@ -42,10 +48,36 @@ class ResumeCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             enable_version_counter=False,  # one last.ckpt, replaced in place, never last-v1.ckpt
         )
+        self._lock: RunLock | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._default_dirpath(trainer)
+        if stage == "fit":
+            self._claim_folder(trainer)
         super().setup(trainer, pl_module, stage)
+
+    def _claim_folder(self, trainer: Trainer) -> None:
+        """Refuse a folder another live run writes to, then lock it for this run (global rank 0 writes the lock,
+        after every rank has checked)."""
+        self._lock = RunLock(self.dirpath)
+        self._lock.check()
+        trainer.strategy.barrier("gpo_run_lock")
+        if trainer.is_global_zero:
+            self._lock.acquire()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Known only now: whether this run resumed a checkpoint (Lightning loads it after the setup hooks).
+        last = Path(self.dirpath) / "last.ckpt"
+        if trainer.ckpt_path is None and last.is_file():
+            raise FileExistsError(
+                f"{last} holds an earlier run's checkpoint, which this run would overwrite. Continue that run with "
+                "--ckpt_path last, or start this one in another folder (--trainer.default_root_dir DIR)."
+            )
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._lock is not None and trainer.is_global_zero:
+            self._lock.release()
+        super().teardown(trainer, pl_module, stage)
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs

@@ -14,7 +14,16 @@ from gpo.cli.fit import GPOCLI, default_loggers
 
 COMMANDS = {"tiny": make_tiny, "plot": plot_curves, "export": export_checkpoint_command}
 #: Errors that report a configuration or input problem in words a person can act on: printed without traceback.
-USER_ERRORS = (ArgumentError, ValueError, TypeError, FileNotFoundError, ImportError, TimeoutError, FloatingPointError)
+USER_ERRORS = (
+    ArgumentError,
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    FileExistsError,
+    ImportError,
+    TimeoutError,
+    FloatingPointError,
+)
 
 __all__ = ["GPOCLI", "default_loggers", "main", "run"]
 

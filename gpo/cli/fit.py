@@ -8,9 +8,9 @@ from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint
+from gpo.train.loggers import default_loggers
 
 
 class GPOCLI(LightningCLI):
@@ -76,14 +76,3 @@ def _tokenizer_folder(policy, tokenizer) -> str:
 
 def _as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
-
-
-def default_loggers(root: str, resume: bool = False) -> list[Logger]:
-    """CSV and TensorBoard loggers sharing ``<root>/lightning_logs/version_N/`` (TensorBoard's files in ``tb/``);
-    ``resume`` continues the newest existing version instead of starting a new one.
-
-    The CSV logger comes first, so the saved ``config.yaml`` lands next to ``metrics.csv``."""
-    csv = CSVLogger(root)
-    if resume and csv.version > 0:
-        csv = CSVLogger(root, version=csv.version - 1)  # the next free version minus one: the newest run
-    return [csv, TensorBoardLogger(root, version=csv.version, sub_dir="tb", default_hp_metric=False)]

@@ -37,12 +37,16 @@ class RewardErrors:
         value: the score a failed sample gets under policy ``score``.
         timeout_s: seconds one call of a reward function may take (None: no limit). The call then runs in a
             daemon thread; a thread cannot be killed, so one that overruns is abandoned: it runs on unobserved
-            (still using CPU if it computes) until it returns or the process ends.
+            (still using CPU if it computes) until it returns or the process ends. With no limit the call runs in
+            the main thread (where ``math_answer`` can time out each expression itself).
+        warn_after_s: a call still running after this many seconds is reported (function and prompt named) while
+            the run waits for it.
     """
 
     policy: Literal["fail", "score"] = "fail"
     value: float = 0.0
-    timeout_s: float | None = None
+    timeout_s: float | None = 600.0
+    warn_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fail", "score"):
@@ -55,6 +59,8 @@ class RewardErrors:
             raise ValueError(
                 f"model.reward_errors.timeout_s={self.timeout_s} must be a number of seconds > 0, or null for no limit."
             )
+        if not 0 < self.warn_after_s < math.inf:
+            raise ValueError(f"model.reward_errors.warn_after_s={self.warn_after_s} must be a number of seconds > 0.")
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ def _run(fn: RewardFn, batch: dict[str, list], size: int, errors: RewardErrors) 
     """One function's values on the batch (``errors.value`` where unknown) and what went wrong, if anything."""
     name, first = reward_name(fn), _first_row(batch, size)
     try:
-        values = _call(fn, batch, errors.timeout_s)
+        values = _call(fn, batch, errors.timeout_s, (errors.warn_after_s, f"reward function {name!r} {first}"))
     except _Timeout:
         message = f"reward function {name!r} did not return within timeout_s={errors.timeout_s} {first}"
         return [errors.value] * size, _Failure(f"{message}; its thread is abandoned", size)
@@ -137,9 +143,10 @@ def _run(fn: RewardFn, batch: dict[str, list], size: int, errors: RewardErrors) 
     return [errors.value if number is None else number for number in numbers], _Failure(message, len(bad))
 
 
-def _call(fn: RewardFn, batch: dict[str, list], timeout_s: float | None) -> Any:
+def _call(fn: RewardFn, batch: dict[str, list], timeout_s: float | None, watch: tuple[float, str] | None = None) -> Any:
     """``fn(prompts, completions, **columns)`` as a list (if it is a sequence), in a daemon thread given up on
-    after ``timeout_s`` (if set). Iterating a generator is part of the call: it may raise or hang too."""
+    after ``timeout_s`` (if set; else in this thread). Iterating a generator is part of the call: it may raise or
+    hang too. ``watch`` = (seconds, what): a call still running after that long is reported while it runs on."""
     columns = {key: value for key, value in batch.items() if key not in ("prompts", "completions")}
 
     def collected() -> Any:
@@ -147,8 +154,22 @@ def _call(fn: RewardFn, batch: dict[str, list], timeout_s: float | None) -> Any:
         scalar = isinstance(returned, (str, bytes)) or getattr(returned, "ndim", None) == 0
         return list(returned) if isinstance(returned, Iterable) and not scalar else returned
 
+    warn_after, what = watch or (math.inf, "")
+
+    def report() -> None:
+        limit = f"; it is stopped after timeout_s={timeout_s}" if timeout_s is not None else " (no timeout_s set)"
+        log.warning("%s is still running after %.0f s%s; the run waits for it.", what, warn_after, limit)
+
     if timeout_s is None:
-        return collected()
+        watchdog = threading.Timer(warn_after, report) if math.isfinite(warn_after) else None
+        if watchdog is not None:
+            watchdog.daemon = True
+            watchdog.start()
+        try:
+            return collected()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -159,7 +180,10 @@ def _call(fn: RewardFn, batch: dict[str, list], timeout_s: float | None) -> Any:
 
     worker = threading.Thread(target=target, name=f"reward {reward_name(fn)}", daemon=True)
     worker.start()
-    worker.join(timeout_s)
+    worker.join(min(warn_after, timeout_s))
+    if worker.is_alive() and warn_after < timeout_s:
+        report()
+        worker.join(timeout_s - warn_after)
     if worker.is_alive():
         raise _Timeout
     if "error" in outcome:

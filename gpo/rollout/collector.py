@@ -15,9 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gpo.algo.mixers import RewardMixer, WeightedSum
 from gpo.rewards.runner import RewardErrors, RewardFn, score
 from gpo.rollout.base import Rollout, RolloutEngine
-
-RANK_SEED_STRIDE = 2**32  # rank r samples with seeds offset by r * this, far from any seed rank 0 uses
-ROUND_SEED_STRIDE = 1_000_003  # round k of a step (extra draws) samples with seeds offset by k * this
+from gpo.seeds import run_seed, stream_seed
 
 
 @dataclass
@@ -35,8 +33,9 @@ class Collector:
 
     It needs no Trainer: the step index (``begin_step``) and the prompts it may draw beyond the step's own
     (``extra_prompts``, for callbacks such as ``DynamicSampling``) are handed to it, so it can run apart from the
-    training loop. Every round of a step samples with its own seed, ``seed + step + 1_000_003 * round + 2**32 *
-    rank``, so a run replays exactly however many rounds it draws.
+    training loop. Every round of a step samples with a seed of its own, ``gpo.seeds.stream_seed("rollout", seed,
+    step, round, rank)``, so a run replays exactly however many rounds it draws, and no two seeds, steps, rounds or
+    ranks share a stream.
 
     Args:
         engine: samples completions (token ids, masks, and the sampler's log-probs when asked).
@@ -44,7 +43,7 @@ class Collector:
         mixer: combines the reward functions' scores into one reward (default: their sum).
         group_size: completions per prompt.
         reward_errors: what a reward function that raises, hangs or returns bad values does to the run.
-        seed: base seed of the rollout sampling.
+        seed: seed of the rollout sampling; None: the run's seed (``seed_everything``).
         logprobs: ask the engine for the sampled tokens' log-probs.
     """
 
@@ -56,12 +55,12 @@ class Collector:
         mixer: RewardMixer | None = None,
         group_size: int = 8,
         reward_errors: RewardErrors | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         logprobs: bool = False,
     ) -> None:
         self.engine, self.rewards, self.mixer = engine, list(rewards), mixer or WeightedSum()
         self.group_size, self.reward_errors = group_size, reward_errors or RewardErrors()
-        self.seed, self.logprobs = seed, logprobs
+        self.seed, self.logprobs = run_seed(seed), logprobs
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.device = torch.device("cpu")  # where collected rollouts are put (the trainer's device)
         self.rank = 0  # this process's rank: its seeds differ from every other rank's
@@ -78,7 +77,7 @@ class Collector:
 
     def collect(self, batch: dict[str, Any]) -> Rollout:
         """The scored rollout of ``batch``'s prompts, sampled with this step's next seed."""
-        seed = self.seed + self.step + ROUND_SEED_STRIDE * self.round + RANK_SEED_STRIDE * self.rank
+        seed = stream_seed("rollout", self.seed, self.step, self.round, self.rank)
         self.round += 1
         started = time.perf_counter()
         rollout = self.sample(batch, seed=seed, logprobs=self.logprobs)

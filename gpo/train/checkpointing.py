@@ -3,8 +3,11 @@ renamed over it; read back with an error that says what to do when a file is dam
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import socket
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -99,3 +102,71 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in str(path):
             return super().load_checkpoint(path, map_location, weights_only)
         return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
+
+
+class RunLock:
+    """One live run per checkpoint folder: ``<folder>/.run.lock`` names the run holding it (process id, host,
+    start time), so a second run started on the same folder stops at once instead of overwriting the first one's
+    checkpoints.
+
+    A lock whose process is gone (same host, no such process id) is stale: the next run takes it over, and removes
+    the partial ``.<name>.tmp-<pid>`` files a killed checkpoint write leaves behind. A lock from another host cannot
+    be checked: the message says how to remove it.
+
+    Args:
+        folder: the checkpoint folder.
+    """
+
+    NAME = ".run.lock"
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / self.NAME
+
+    def check(self) -> None:
+        """Raise ``FileExistsError`` when another live run holds the folder; nothing is written."""
+        owner = self.owner()
+        if owner is None or (owner.get("host") == socket.gethostname() and owner.get("pid") == os.getpid()):
+            return
+        if owner.get("host") == socket.gethostname() and not _alive(owner.get("pid")):
+            return  # stale: that process is gone
+        where = f"process {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
+        raise FileExistsError(
+            f"another run ({where}) is writing checkpoints to {self.folder}. Start this run in another folder "
+            "(--trainer.default_root_dir DIR), or wait for that one to end and continue it with --ckpt_path last. "
+            f"If that run is gone (e.g. on a machine that crashed), delete {self.path}."
+        )
+
+    def acquire(self) -> None:
+        """Write this process's claim and remove partial checkpoint files of earlier, dead writers."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        claim = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        partial = self.path.with_name(f"{self.NAME}.tmp-{os.getpid()}")
+        partial.write_text(json.dumps(claim))
+        os.replace(partial, self.path)
+        for leftover in self.folder.glob(".*.tmp-*"):
+            leftover.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Remove the claim if it is this process's."""
+        owner = self.owner()
+        if owner is not None and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)
+
+    def owner(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+
+def _alive(pid: int | None) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True

@@ -34,7 +34,7 @@ from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
 from gpo.train.learner import Backend, Learner, OldLogprobs
 from gpo.train.metrics import count_metrics, log_due, publish, step_metrics, throughput
 from gpo.train.optimization import Optimization
-from gpo.train.run_state import restore_random_state, restored_run_state, run_state
+from gpo.train.run_state import check_same_run, describe_run, restore_random_state, restored_run_state, run_state
 
 
 class GPOModule(RolloutSource, LightningModule):
@@ -71,7 +71,8 @@ class GPOModule(RolloutSource, LightningModule):
         evaluation: held-out evaluation settings.
         reward_errors: what a reward function that raises, hangs or returns bad values does to the run: ``fail``
             (default, with the function and prompt named) or ``score`` the samples concerned as a fixed value.
-        seed: seeds the rollout sampling of each step (see ``gpo.rollout.collector.Collector``).
+        seed: seed of the rollout sampling (see ``gpo.rollout.collector.Collector``); None: the run's seed
+            (``seed_everything``), which then sets the whole experiment.
     """
 
     def __init__(
@@ -97,7 +98,7 @@ class GPOModule(RolloutSource, LightningModule):
         tokenizer: str | PreTrainedTokenizerBase | None = None,
         evaluation: Evaluation | None = None,
         reward_errors: RewardErrors | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -160,10 +161,12 @@ class GPOModule(RolloutSource, LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
-        checkpoint["gpo"] = run_state(drawn, self.learner.nonfinite.streak)
+        checkpoint["gpo"] = {**run_state(drawn, self.learner.nonfinite.streak), "run": describe_run(self)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._restored, self.learner.nonfinite.streak = restored_run_state(checkpoint.get("gpo", {}))
+        state = checkpoint.get("gpo", {})
+        check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
+        self._restored, self.learner.nonfinite.streak = restored_run_state(state)
 
     def on_train_start(self) -> None:
         drawn = self._restored.get("extra_batches_drawn", 0)

@@ -63,3 +63,39 @@ def restored_run_state(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     if len(ranks) != size:
         log.warning("checkpoint of %d processes resumed by %d: all resume rank 0's draws", len(ranks), size)
     return (ranks[collectives.rank()] if len(ranks) == size else ranks[0]), state.get("nonfinite_streak", 0)
+
+
+def describe(part: object) -> str:
+    """``Name(setting=value, ...)`` of an algorithm part, from its plain-valued attributes (for run descriptions)."""
+    plain = (str, int, float, bool, type(None))
+    settings = {k: v for k, v in sorted(vars(part).items()) if not k.startswith("_") and isinstance(v, plain)}
+    return f"{type(part).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+
+
+def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: str) -> None:
+    """Refuse to resume a checkpoint written under another model or algorithm, naming each difference."""
+    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in saved
+                   if key in current and saved[key] != current[key]]  # fmt: skip
+    if differences:
+        raise ValueError(
+            f"{checkpoint} was written by another run ({'; '.join(differences)}): resuming would continue its weights "
+            "under this configuration. Resume with the configuration that wrote it (saved as config.yaml in the run's "
+            "lightning_logs/version_N folder), or start this run in another folder (--trainer.default_root_dir DIR)."
+        )
+
+
+def describe_run(module) -> dict[str, str]:
+    """What makes a ``GPOModule``'s run that run: model, trainer mode, algorithm parts, rewards, group size."""
+    from gpo.models.loading import is_peft
+    from gpo.rewards.runner import reward_name
+
+    objective, model = module.learner.objective, module.model
+    return {
+        "model": f"{model.config.model_type}, {sum(p.numel() for p in model.parameters())} parameters",
+        "trainer_mode": "lora" if is_peft(module.policy) else "full",
+        "advantage": describe(module.advantage),
+        "gate": describe(objective.gate),
+        "aggregator": describe(objective.aggregator),
+        "rewards": ", ".join(map(reward_name, module.collector.rewards)),
+        "group_size": str(module.collector.group_size),
+    }

@@ -3,6 +3,7 @@
 import logging
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -234,6 +235,28 @@ def test_a_reward_function_that_hangs_is_abandoned_after_timeout_s(policy, caplo
         "reward function 'hangs' did not return within timeout_s=0.1 on a batch of 4 completions "
         "(the first: prompt '12=', completion '3'); its thread is abandoned" in message
     )
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_slow_reward_function_is_reported_while_the_run_waits(caplog, timeout_s):
+    def slow(prompts, completions, **_):
+        time.sleep(0.3)
+        return [1.0] * len(completions)
+
+    errors = RewardErrors(timeout_s=timeout_s, warn_after_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="gpo.rewards.runner"):
+        scored = score([slow], make_rollout(), errors)
+    torch.testing.assert_close(scored.values[:, 0], torch.ones(4))  # it finished: its values count
+    [record] = caplog.records
+    limit = "no timeout_s set" if timeout_s is None else "it is stopped after timeout_s=5.0"
+    assert record.getMessage() == (
+        "reward function 'slow' on a batch of 4 completions (the first: prompt '12=', completion '3') is still "
+        f"running after 0 s{'; ' if timeout_s else ' ('}{limit}{')' if timeout_s is None else ''}; the run waits for it."
+    )
+
+
+def test_the_default_timeout_is_finite():
+    assert 0 < RewardErrors().timeout_s < float("inf") and RewardErrors().warn_after_s < RewardErrors().timeout_s
 
 
 def test_an_exception_inside_the_timeout_thread_reaches_the_caller():

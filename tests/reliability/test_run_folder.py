@@ -1,0 +1,67 @@
+"""One live run per checkpoint folder: a second run stops at once, a stale lock (and the partial file a killed write
+left) is cleaned up, a fresh run refuses a folder holding an earlier run's last.ckpt unless it resumes it, and a
+resume under another model or algorithm is refused naming the difference."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gpo.callbacks import ResumeCheckpoint
+from gpo.train.checkpointing import RunLock
+from tests.tiny import prompts, quiet_trainer, tiny_module
+
+
+def fit(tiny_assets, folder, steps=2, ckpt_path=None, **module_kwargs):
+    model, data = tiny_assets
+    trainer = quiet_trainer(steps, [ResumeCheckpoint(dirpath=folder)], enable_checkpointing=True)
+    trainer.fit(tiny_module(model, **module_kwargs), prompts(model, data), ckpt_path=ckpt_path)
+    return trainer
+
+
+def claim(folder, pid):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RunLock.NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "then"}))
+
+
+def test_a_second_run_on_the_folder_of_a_live_one_stops_at_once(tiny_assets, tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim(tmp_path / "ckpt", live.pid)
+        with pytest.raises(FileExistsError, match=rf"another run \(process {live.pid} on .*--trainer.default_root_dir"):
+            fit(tiny_assets, tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_stale_lock_and_a_killed_writes_partial_file_are_cleaned_up(tiny_assets, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "ckpt"
+    claim(folder, dead.pid)
+    (folder / f".last.ckpt.tmp-{dead.pid}").write_bytes(b"half a checkpoint")
+    fit(tiny_assets, folder)
+    assert (folder / "last.ckpt").is_file() and not list(folder.glob(".*.tmp-*"))
+    assert not (folder / RunLock.NAME).exists()  # released when the run ended
+
+
+def test_a_fresh_run_refuses_an_earlier_runs_checkpoint_unless_it_resumes_it(tiny_assets, tmp_path):
+    folder = tmp_path / "ckpt"
+    fit(tiny_assets, folder, steps=2)
+    with pytest.raises(FileExistsError, match=r"last\.ckpt holds an earlier run's checkpoint.*--ckpt_path last"):
+        fit(tiny_assets, folder, steps=3)
+    assert fit(tiny_assets, folder, steps=3, ckpt_path=str(folder / "last.ckpt")).global_step == 3
+
+
+def test_resuming_under_another_algorithm_is_refused_naming_the_difference(tiny_assets, tmp_path):
+    folder = tmp_path / "ckpt"
+    fit(tiny_assets, folder, steps=2)  # GRPO
+    last = str(folder / "last.ckpt")
+    with pytest.raises(ValueError, match=r"gate: NoGate\(\) in the checkpoint, ClipGate\(clip_high=0.28, .*\) now"):
+        fit(tiny_assets, folder, steps=3, ckpt_path=last, algorithm="dapo")
+    with pytest.raises(ValueError, match=r"group_size: 4 in the checkpoint, 2 now"):
+        fit(tiny_assets, folder, steps=3, ckpt_path=last, group_size=2)
