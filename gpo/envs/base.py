@@ -26,11 +26,13 @@ class Environment(ABC):
     @abstractmethod
     def reset(self, seed: int, task: str) -> str:
         """Start an episode of ``task`` (the prompt text) whose randomness comes from ``seed``; returns the first
-        observation ("" for none). Completions of the same prompt share ``seed``: they play the same episode."""
+        observation ("" for none). Completions of the same prompt share ``seed``: they play the same episode.
+        Raise ``ValueError`` for a task it cannot use (the task app answers 422)."""
 
     @abstractmethod
     def step(self, action: str) -> Step:
-        """Apply the policy's turn (its decoded text) and answer it."""
+        """Apply the policy's turn (its decoded text) and answer it. Raise ``ValueError`` only for input the
+        environment cannot use at all (the task app answers 422); a turn that breaks the game's rules is answered."""
 
     def close(self) -> None:  # noqa: B027
         """Release what the episode holds (nothing by default)."""

@@ -38,7 +38,10 @@ class NumberGuess(Environment):
         found = NUMBER.search(action)
         if found is None:
             return Step("invalid\n", 0.0, False, {"guess": None})
-        guess = int(found.group())
+        try:
+            guess = int(found.group())
+        except ValueError:  # more digits than int() accepts: a turn the game cannot use
+            return Step("invalid\n", 0.0, False, {"guess": None})
         if guess == self.secret:
             return Step("correct\n", self.win_reward, True, {"guess": guess})
         return Step("higher\n" if guess < self.secret else "lower\n", 0.0, False, {"guess": guess})

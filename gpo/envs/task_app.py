@@ -11,8 +11,14 @@
   answered again from memory; any other turn than the next is refused (409), as is a step after ``done``.
 - ``DELETE /episodes/{id}`` -> ``{"id": STR, "closed": true}``.
 
-Errors: 400 for a malformed body, 404 for an unknown episode, 409 for an out-of-order step, each with
-``{"error": MESSAGE}``.
+Errors, each with ``{"error": MESSAGE}``: 400 for a malformed body, 401 without the token (when the app has one),
+404 for an unknown episode, 409 for an out-of-order step, 413 for a body above ``--max-body-bytes``, 422 for a task or
+action the environment cannot use (its ``reset`` or ``step`` raised ``ValueError``: a guess of 5,000 digits, say).
+A 5xx is the app's own fault (a bug in the environment), which a client may retry.
+
+It listens on 127.0.0.1 unless ``--host`` says otherwise. ``--token`` (or the environment variable
+``GPO_TASK_APP_TOKEN``) makes every request need ``Authorization: Bearer TOKEN``; set it whenever the app listens
+beyond loopback, and give clients the same value.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from typing import Any
 from aiohttp import web
 
 from gpo.envs.base import Environment, Step
+from gpo.envs.http import DEFAULT_MAX_BODY_BYTES, add_service_arguments, json_error, service_app, service_token
 from gpo.envs.number_guess import NumberGuess
+from gpo.envs.task_client import TOKEN_ENV
 
 
 @dataclass
@@ -39,32 +47,42 @@ class _Episode:
     last: Step | None = None  # answer of turn ``turns - 1``
 
 
-def _error(status: type[web.HTTPException], message: str) -> web.HTTPException:
-    return status(text=json.dumps({"error": message}), content_type="application/json")
-
-
-async def _body(request: web.Request, required: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+async def _body(
+    request: web.Request, required: dict[str, type], optional: dict[str, type] | None = None
+) -> dict[str, Any]:
+    """The request's JSON object, with each ``required`` key (and each ``optional`` key present) of its type; 400
+    otherwise."""
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise _error(web.HTTPBadRequest, f"the body is not JSON: {exc}") from exc
+        body = json.loads(await request.text())
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to decode
+        raise json_error(web.HTTPBadRequest, f"the body is not JSON: {str(exc)[:200]}") from exc
     if not isinstance(body, dict):
-        raise _error(web.HTTPBadRequest, "the body must be a JSON object")
-    for key, kind in required.items():
-        if not isinstance(body.get(key), kind):
-            raise _error(web.HTTPBadRequest, f"{key!r} is missing or not of type {kind}")
+        raise json_error(web.HTTPBadRequest, "the body must be a JSON object")
+    expected = {**required, **{key: kind for key, kind in (optional or {}).items() if key in body}}
+    for key, kind in expected.items():
+        value = body.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise json_error(web.HTTPBadRequest, f"{key!r} is missing or not of type {kind.__name__}")
     return body
 
 
-def make_app(env: Environment) -> web.Application:
-    """An aiohttp application serving episodes of ``env`` (one deep copy each) under the protocol above."""
+def _unusable(what: str, exc: ValueError) -> web.HTTPException:
+    """422: the environment refused a well-formed request (its ``reset`` or ``step`` raised ValueError)."""
+    return json_error(web.HTTPUnprocessableEntity, f"the environment cannot use this {what}: {str(exc)[:300]}")
+
+
+def make_app(
+    env: Environment, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> web.Application:
+    """An aiohttp application serving episodes of ``env`` (one deep copy each) under the protocol above; with
+    ``token``, every request must carry it (401 otherwise); bodies above ``max_body_bytes`` are refused (413)."""
     episodes: dict[str, _Episode] = {}
     routes = web.RouteTableDef()
 
     def find(request: web.Request) -> tuple[str, _Episode]:
         episode_id = request.match_info["id"]
         if episode_id not in episodes:
-            raise _error(web.HTTPNotFound, f"no open episode {episode_id!r}")
+            raise json_error(web.HTTPNotFound, f"no open episode {episode_id!r}")
         return episode_id, episodes[episode_id]
 
     @routes.get("/health")
@@ -73,24 +91,31 @@ def make_app(env: Environment) -> web.Application:
 
     @routes.post("/episodes")
     async def create(request: web.Request) -> web.Response:
-        body = await _body(request, {"seed": int, "task": str})
-        episode_id = str(body.get("id") or uuid.uuid4().hex)
+        body = await _body(request, {"seed": int, "task": str}, {"id": str})
+        episode_id = body.get("id") or uuid.uuid4().hex
         if episode_id not in episodes:
             episode = copy.deepcopy(env)
-            episodes[episode_id] = _Episode(episode, episode.reset(body["seed"], body["task"]))
+            try:
+                observation = episode.reset(body["seed"], body["task"])
+            except ValueError as exc:
+                raise _unusable("task or seed", exc) from exc
+            episodes[episode_id] = _Episode(episode, observation)
         return web.json_response({"id": episode_id, "observation": episodes[episode_id].observation})
 
     @routes.post("/episodes/{id}/step")
     async def step(request: web.Request) -> web.Response:
         episode_id, episode = find(request)
-        body = await _body(request, {"action": str})
+        body = await _body(request, {"action": str}, {"turn": int})
         turn = body.get("turn", episode.turns)
         if episode.last is not None and turn == episode.turns - 1:  # a retry of the turn just answered
             return web.json_response(episode.last._asdict())
         if turn != episode.turns or (episode.last is not None and episode.last.done):
             state = "is done" if episode.last is not None and episode.last.done else f"expects turn {episode.turns}"
-            raise _error(web.HTTPConflict, f"episode {episode_id!r} {state}; got turn {turn}")
-        observation, reward, done, info = episode.env.step(body["action"])
+            raise json_error(web.HTTPConflict, f"episode {episode_id!r} {state}; got turn {turn}")
+        try:
+            observation, reward, done, info = episode.env.step(body["action"])
+        except ValueError as exc:
+            raise _unusable("action", exc) from exc
         episode.last, episode.turns = Step(str(observation), float(reward), bool(done), dict(info)), turn + 1
         return web.json_response(episode.last._asdict())
 
@@ -101,9 +126,7 @@ def make_app(env: Environment) -> web.Application:
         episode.env.close()
         return web.json_response({"id": episode_id, "closed": True})
 
-    app = web.Application()
-    app.add_routes(routes)
-    return app
+    return service_app(routes, token=token, max_body_bytes=max_body_bytes)
 
 
 def load_env(path: str, kwargs: dict[str, Any]) -> Environment:
@@ -117,14 +140,14 @@ def load_env(path: str, kwargs: dict[str, Any]) -> Environment:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gpo.envs.task_app", description="Serve an environment over HTTP.")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
+    add_service_arguments(parser, port=8001, token_env=TOKEN_ENV)
     parser.add_argument("--env", default=None, help="import path of an Environment class (default: NumberGuess)")
     parser.add_argument("--env-args", default="{}", help="its keyword arguments as a JSON object")
     args = parser.parse_args(argv)
     kwargs = json.loads(args.env_args)
     env = load_env(args.env, kwargs) if args.env else NumberGuess(**kwargs)
-    web.run_app(make_app(env), host=args.host, port=args.port)
+    app = make_app(env, token=service_token(args, TOKEN_ENV), max_body_bytes=args.max_body_bytes)
+    web.run_app(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

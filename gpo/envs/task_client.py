@@ -7,7 +7,15 @@ import uuid
 import aiohttp
 
 from gpo.envs.base import Episodes, Step
-from gpo.envs.http import Retries, ServiceError, request_json
+from gpo.envs.http import Retries, ServiceError, bearer, request_json, token_from, wait_healthy
+
+TOKEN_ENV = "GPO_TASK_APP_TOKEN"  # the shared secret, read by TaskApp and by the reference app (gpo.envs.task_app)
+HINTS = {
+    401: f"Give the app's token as TaskApp's token or the environment variable {TOKEN_ENV}.",
+    413: "The app refused a body this large: raise its --max-body-bytes.",
+    422: "The environment refused the task or the policy's action: have its reset/step answer such input (as an "
+    "invalid move, say) rather than raise ValueError.",
+}
 
 
 class TaskAppError(ServiceError):
@@ -17,38 +25,55 @@ class TaskAppError(ServiceError):
 class TaskApp(Episodes):
     """Episodes served by a task app at ``task_url`` (protocol: ``gpo.envs.task_app``).
 
-    Each batch of episodes opens one HTTP session and first asks ``GET /health``, so an app that is down fails the
-    rollout before any episode starts, with an error naming ``task_url``. Every request has its own timeout and is
-    retried with exponential backoff; a retried create or step is answered once by the app (the client names the
-    episode, and each step its turn), so no episode is created or stepped twice.
+    Each batch of episodes opens one HTTP session and first waits for ``GET /health`` to answer 200, for at most
+    ``health_max_wait_s``: an app that is down fails the rollout before any episode starts, with an error naming
+    ``task_url``. Every request has its own timeout; connection errors, timeouts and HTTP 408/429/5xx are retried
+    with exponential backoff, any other 4xx is not (the app refused the request itself: the error says why). A
+    retried create or step is answered once by the app (the client names the episode, and each step its turn), so
+    no episode is created or stepped twice.
 
     Args:
         task_url: base URL of the task app, e.g. ``http://127.0.0.1:8001``.
+        token: shared secret sent as ``Authorization: Bearer TOKEN`` (the app's ``--token``); None: the environment
+            variable ``GPO_TASK_APP_TOKEN`` if set, else none. The variable keeps it out of YAML files.
         timeout_s: seconds one request may take.
         attempts: tries per request (1: no retry).
         backoff_s: wait before the first retry, doubled for each further one.
         max_backoff_s: longest wait between tries.
+        health_max_wait_s: longest wait for ``GET /health`` to answer 200 at the start of each batch.
     """
 
     def __init__(
         self,
         *,
         task_url: str,
+        token: str | None = None,
         timeout_s: float = 30.0,
         attempts: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        health_max_wait_s: float = 30.0,
     ) -> None:
         if not task_url.startswith(("http://", "https://")):
             raise ValueError(f"task_url={task_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8001.")
+        if not health_max_wait_s > 0:
+            raise ValueError(f"health_max_wait_s={health_max_wait_s} must be > 0 (seconds to wait for GET /health).")
         self.task_url = task_url.rstrip("/")
+        self.token = token_from(token, TOKEN_ENV)
         self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        self.health_max_wait_s = health_max_wait_s
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> TaskApp:
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(headers=bearer(self.token))
         try:
-            await self._call("GET", "/health")
+            await wait_healthy(
+                self._session, f"{self.task_url}/health", max_wait_s=self.health_max_wait_s,
+                timeout_s=self.retries.timeout_s, describe=self._describe, hints=HINTS,
+            )  # fmt: skip
+        except ServiceError as exc:
+            await self.__aexit__()
+            raise TaskAppError(str(exc)) from exc
         except BaseException:
             await self.__aexit__()
             raise
@@ -77,17 +102,22 @@ class TaskApp(Episodes):
     async def _call(self, method: str, path: str, payload=None, keys: tuple[str, ...] = (), ok_status=frozenset()):
         if self._session is None:
             raise RuntimeError("TaskApp is used outside `async with` (MultiTurnEngine opens it).")
-        describe = (
-            f"task app at task_url={self.task_url} (is it running? the reference app: "
-            "python -m gpo.envs.task_app --port PORT)"
-        )
         try:
             answer = await request_json(
                 self._session, method, self.task_url + path, payload,
-                retries=self.retries, describe=describe, ok_status=ok_status,
+                retries=self.retries, describe=self._describe, ok_status=ok_status, hints=HINTS,
             )  # fmt: skip
         except ServiceError as exc:
             raise TaskAppError(str(exc)) from exc
         if keys and not (isinstance(answer, dict) and all(key in answer for key in keys)):
-            raise TaskAppError(f"{describe}: {method} {path} answered {answer!r:.200}; expected an object with {keys}.")
+            raise TaskAppError(
+                f"{self._describe}: {method} {path} answered {answer!r:.200}; expected an object with {keys}."
+            )
         return answer
+
+    @property
+    def _describe(self) -> str:
+        return (
+            f"task app at task_url={self.task_url} (is it running and reachable? the reference app: "
+            "python -m gpo.envs.task_app --port PORT)"
+        )

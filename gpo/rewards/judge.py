@@ -15,9 +15,14 @@ from typing import Any, Literal
 
 import aiohttp
 
-from gpo.envs.http import Retries, ServiceError, request_json
+from gpo.envs.http import Retries, ServiceError, bearer, request_json, token_from
 
 JudgeKind = Literal["event", "outcome"]
+TOKEN_ENV = "GPO_JUDGE_TOKEN"  # the shared secret, read by JudgeReward and by the reference judge (judge_app)
+HINTS = {
+    401: f"Give the judge's token as JudgeReward's token or the environment variable {TOKEN_ENV}.",
+    413: "The judge refused a body this large (long episodes): raise its --max-body-bytes.",
+}
 
 
 class JudgeError(ServiceError):
@@ -29,12 +34,16 @@ class JudgeReward:
 
     ``outcome``: one request per episode, its score is the reward. ``event``: one request per policy turn, the
     reward is the mean score of the episode's turns (0 for an episode without turns). At most ``max_concurrency``
-    requests are in flight; each has its own timeout and is retried with exponential backoff. ``turns`` is the
-    column ``MultiTurnEngine`` fills. Blend judges with the environment's reward through ``EnvEventOutcomeBlend``.
+    requests are in flight; each has its own timeout, and connection errors, timeouts and HTTP 408/429/5xx are
+    retried with exponential backoff; any other 4xx is not (the judge refused the request: the error says why).
+    ``turns`` is the column ``MultiTurnEngine`` fills. Blend judges with the environment's reward through
+    ``EnvEventOutcomeBlend``.
 
     Args:
         judge_url: base URL of the judge, e.g. ``http://127.0.0.1:8002``.
         kind: ``event`` or ``outcome``.
+        token: shared secret sent as ``Authorization: Bearer TOKEN`` (the judge's ``--token``); None: the environment
+            variable ``GPO_JUDGE_TOKEN`` if set, else none. The variable keeps it out of YAML files.
         timeout_s: seconds one request may take.
         max_concurrency: requests in flight at once.
         attempts: tries per request (1: no retry).
@@ -46,6 +55,7 @@ class JudgeReward:
         *,
         judge_url: str,
         kind: JudgeKind = "outcome",
+        token: str | None = None,
         timeout_s: float = 30.0,
         max_concurrency: int = 8,
         attempts: int = 3,
@@ -58,6 +68,7 @@ class JudgeReward:
         if not judge_url.startswith(("http://", "https://")):
             raise ValueError(f"judge_url={judge_url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8002.")
         self.judge_url, self.kind, self.max_concurrency = judge_url.rstrip("/"), kind, max_concurrency
+        self.token = token_from(token, TOKEN_ENV)
         self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s)
         self.name = f"judge_{kind}"
 
@@ -88,15 +99,17 @@ class JudgeReward:
     async def _score_all(self, requests: list[dict[str, Any]]) -> list[float]:
         limit = asyncio.Semaphore(self.max_concurrency)
         describe = (
-            f"judge at judge_url={self.judge_url} (is it running? the reference: python -m gpo.rewards.judge_app)"
+            f"judge at judge_url={self.judge_url} (is it running and reachable? the reference: "
+            "python -m gpo.rewards.judge_app)"
         )
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=bearer(self.token)) as session:
 
             async def one(request: dict[str, Any]) -> float:
                 async with limit:
                     answer = await request_json(
-                        session, "POST", f"{self.judge_url}/score", request, retries=self.retries, describe=describe
-                    )
+                        session, "POST", f"{self.judge_url}/score", request,
+                        retries=self.retries, describe=describe, hints=HINTS,
+                    )  # fmt: skip
                 score = answer.get("score") if isinstance(answer, dict) else None
                 if not isinstance(score, int | float) or not math.isfinite(score):
                     raise JudgeError(f"{describe}: POST /score answered {answer!r:.200}; expected {{'score': number}}.")

@@ -50,9 +50,9 @@ class Faults:
         self.in_flight = self.max_in_flight = 0
 
     async def handle(self, request: web.Request, handler):
+        self.requests.append((request.method, request.path))  # first: a body refused as too large counts too
         body = await request.text()
         key = (request.method, request.path, body)
-        self.requests.append((request.method, request.path))
         self.seen[key] += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -75,22 +75,32 @@ class Faults:
 
 
 def with_faults(app: web.Application, faults: Faults) -> web.Application:
+    """``app`` with ``faults`` as its outermost middleware: it sees every request, also those the app's own
+    middlewares refuse (a missing token)."""
+
     @web.middleware
     async def middleware(request: web.Request, handler):
         return await faults.handle(request, handler)
 
-    app.middlewares.append(middleware)
+    app.middlewares.insert(0, middleware)
     return app
 
 
-def post_json(url: str, payload) -> tuple[int, dict]:
-    """A plain blocking request, for protocol checks."""
+def post_json(url: str, payload=None, *, raw: bytes | None = None, token: str | None = None) -> tuple[int, dict | str]:
+    """A plain blocking POST of ``payload`` as JSON (or of ``raw`` bytes as they are), for protocol checks; the
+    status and the answer (decoded JSON, or the text when it is not JSON)."""
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = raw if raw is not None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data, headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
+            status, text = response.status, response.read().decode()
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text

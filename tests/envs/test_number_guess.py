@@ -11,6 +11,7 @@ def test_higher_lower_correct_invalid():
     secret = random.Random(3).randint(1, 8)  # the secret is the seed's first draw
     assert env.secret == secret
     assert env.step("no number") == Step("invalid\n", 0.0, False, {"guess": None})
+    assert env.step("9" * 5000) == Step("invalid\n", 0.0, False, {"guess": None})  # beyond int()'s digit limit
     assert env.step(f"{secret - 1}") == Step("higher\n", 0.0, False, {"guess": secret - 1})
     assert env.step(f"x{secret + 1}y") == Step("lower\n", 0.0, False, {"guess": secret + 1})
     observation, reward, done, info = env.step(f" {secret}")

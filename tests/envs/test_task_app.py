@@ -1,3 +1,7 @@
+import asyncio
+import inspect
+import json
+import os
 import subprocess
 import sys
 import time
@@ -6,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-from gpo.envs import NumberGuess, TaskApp, TaskAppError
+from gpo.envs import NumberGuess, Step, TaskApp, TaskAppError
 from gpo.envs.task_app import make_app
 from gpo.rollout import HFEngine, MultiTurnEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_model
@@ -28,9 +32,10 @@ def play(model_and_tokenizer, env, *, prompts=2, n=3, **kwargs):
     return e.generate([tok("guess 1-8:").input_ids] * prompts, n, seed=3)
 
 
-def open_episodes(url: str) -> int:
-    with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-        return __import__("json").loads(response.read())["episodes"]
+def open_episodes(url: str, token: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=headers), timeout=5) as response:
+        return json.loads(response.read())["episodes"]
 
 
 def test_the_task_app_gives_the_same_rollout_as_the_environment_in_process(model_and_tokenizer):
@@ -105,10 +110,78 @@ def test_an_app_that_times_out_fails_after_its_retries(model_and_tokenizer):
         assert open_episodes(url) == 0
 
 
-def test_an_app_that_is_down_is_named(model_and_tokenizer):
+def test_an_app_that_is_down_is_named_after_health_max_wait_s(model_and_tokenizer):
+    assert inspect.signature(TaskApp).parameters["health_max_wait_s"].default <= 30
     url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
-    with pytest.raises(TaskAppError, match=rf"task_url={url} \(is it running\?.*GET {url}/health failed after 2"):
-        play(model_and_tokenizer, TaskApp(task_url=url, timeout_s=1.0, attempts=2, backoff_s=0.01))
+    started = time.monotonic()
+    with pytest.raises(
+        TaskAppError,
+        match=rf"task_url={url} \(is it running.*GET {url}/health did not answer 200 within health_max_wait_s=1.0 s",
+    ):
+        play(model_and_tokenizer, TaskApp(task_url=url, health_max_wait_s=1.0, **FAST))
+    assert 0.5 < time.monotonic() - started < 5.0
+
+
+class PickyGuess(NumberGuess):
+    """Raises ValueError for an action it cannot use at all, as ``Environment.step`` documents."""
+
+    def step(self, action: str) -> Step:
+        if action == "refuse":
+            raise ValueError("this action means nothing here")
+        return super().step(action)
+
+
+def test_input_the_app_cannot_use_is_answered_4xx_never_500():
+    with serve(make_app(PickyGuess(), max_body_bytes=20_000)) as url:
+        assert post_json(f"{url}/episodes", {"seed": 3, "task": "t", "id": "e1"})[0] == 200
+        status, answer = post_json(f"{url}/episodes/e1/step", {"action": "refuse", "turn": 0})
+        assert status == 422 and "cannot use this action" in answer["error"]
+        status, answer = post_json(f"{url}/episodes/e1/step", {"action": "9" * 5000, "turn": 0})
+        assert status == 200 and answer["observation"] == "invalid\n"  # beyond int()'s digits: a turn, answered
+        assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": 0})[0] == 200  # the episode goes on
+        refused = {
+            "not JSON": (b"{", 400),
+            "not UTF-8": (b'{"seed": 3, "task": "\xff"}', 400),
+            "nested too deeply to decode": (b"[" * 5000 + b"]" * 5000, 400),
+            "a number of 5,000 digits": (b'{"seed": ' + b"9" * 5000 + b', "task": "t"}', 400),
+            "a seed that is a boolean": (b'{"seed": true, "task": "t"}', 400),
+            "an id that is not a string": (b'{"seed": 3, "task": "t", "id": 7}', 400),
+            "above --max-body-bytes": (b'{"seed": 3, "task": "' + b"x" * 30_000 + b'"}', 413),
+        }
+        for what, (body, expected) in refused.items():
+            assert post_json(f"{url}/episodes", raw=body)[0] == expected, what
+        assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": "1"})[0] == 400  # a turn not a number
+
+
+def test_the_client_does_not_retry_a_refusal_and_says_what_was_refused():
+    faults = Faults(where="/step")
+
+    async def refused_action(url: str) -> None:
+        async with TaskApp(task_url=url, **FAST) as app:
+            episode, _ = await app.open(3, "guess 1-8:")
+            await app.step(episode, "refuse", 0)
+
+    refused = pytest.raises(TaskAppError, match=r"refused with HTTP 422 \(not retried.*cannot use this action")
+    with serve(with_faults(make_app(PickyGuess()), faults)) as url, refused:
+        asyncio.run(refused_action(url))
+    assert faults.count("POST", "/step") == 1
+
+
+def test_with_a_token_the_app_refuses_requests_without_it_and_the_client_sends_it(model_and_tokenizer, monkeypatch):
+    monkeypatch.delenv("GPO_TASK_APP_TOKEN", raising=False)
+    create = {"seed": 3, "task": "t"}
+    with serve(make_app(NumberGuess(), token="s3cret")) as url:
+        assert post_json(f"{url}/episodes", create)[0] == 401
+        assert post_json(f"{url}/episodes", create, token="wrong")[0] == 401
+        assert post_json(f"{url}/episodes", create, token="s3cret")[0] == 200
+        started = time.monotonic()
+        with pytest.raises(TaskAppError, match=r"/health was refused with HTTP 401.*GPO_TASK_APP_TOKEN"):
+            play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        assert time.monotonic() - started < 5  # at once, not after health_max_wait_s
+        play(model_and_tokenizer, TaskApp(task_url=url, token="s3cret", **FAST))
+        monkeypatch.setenv("GPO_TASK_APP_TOKEN", "s3cret")
+        play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        assert open_episodes(url, "s3cret") == 1  # only the one created by hand: every played episode closed
 
 
 def test_max_concurrent_rollouts_bounds_the_requests_in_flight(model_and_tokenizer):
@@ -118,20 +191,27 @@ def test_max_concurrent_rollouts_bounds_the_requests_in_flight(model_and_tokeniz
     assert faults.max_in_flight == 3
 
 
-def test_python_m_task_app_serves_on_the_given_port():
+def test_python_m_task_app_takes_its_token_from_the_environment_and_bounds_bodies():
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "gpo.envs.task_app", "--port", str(port), "--env-args", '{"high": 4}']
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    command += ["--max-body-bytes", "1000"]
+    env = {**os.environ, "GPO_TASK_APP_TOKEN": "s3cret"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                assert open_episodes(f"http://127.0.0.1:{port}") == 0
+                assert open_episodes(url, "s3cret") == 0
                 break
             except OSError:
                 assert process.poll() is None, process.stderr.read().decode()
                 assert time.monotonic() < deadline, "the task app did not start within 30 s"
                 time.sleep(0.2)
+        assert post_json(f"{url}/episodes", {"seed": 1, "task": "t"})[0] == 401
+        assert post_json(f"{url}/episodes", {"seed": 1, "task": "t" * 2000}, token="s3cret")[0] == 413
+        assert post_json(f"{url}/episodes", {"seed": 1, "task": "t"}, token="s3cret")[0] == 200
     finally:
         process.terminate()
         process.wait(10)
+        process.stderr.close()

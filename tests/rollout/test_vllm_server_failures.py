@@ -1,0 +1,150 @@
+"""VLLMServerEngine against stand-ins for ``vllm serve`` (tests/rollout/vllm_stand_in.py): several servers share the
+prompts round-robin and all get every weight update; a server killed mid-request is retried for ``retry_max_s``, then
+named; one that comes back in time lets the run go on; 5xx is retried, 4xx is not; the API key; the health wait."""
+
+import inspect
+import threading
+import time
+
+import pytest
+import torch
+
+from gpo.rollout import Sampling
+from gpo.rollout.vllm_server import WEIGHTS_FILE, VLLMServerEngine, VLLMServerError
+from gpo.testing import char_tokenizer
+from tests.envs.servers import Faults, serve, with_faults
+from tests.ports import free_port
+from tests.rollout.vllm_stand_in import StandIn, stand_in_process
+
+FAST = {"retry_max_s": 1.0, "retry_backoff_s": 0.05, "sampling": Sampling(max_new_tokens=6)}
+PROMPTS = [[4 + i, 5, 6 + i] for i in range(7)]
+
+
+def ready(engine: VLLMServerEngine) -> VLLMServerEngine:
+    engine.setup(None, char_tokenizer())
+    return engine
+
+
+def test_several_servers_share_the_prompts_round_robin_and_sample_as_one_would():
+    stand_ins = [StandIn() for _ in range(3)]
+    with serve(stand_ins[0].app()) as a, serve(stand_ins[1].app()) as b, serve(stand_ins[2].app()) as c:
+        three = ready(VLLMServerEngine(base_url=[a, b, c], **FAST)).generate(PROMPTS, n=2, seed=5)
+        one = ready(VLLMServerEngine(base_url=a, **FAST)).generate(PROMPTS, n=2, seed=5)
+    assert torch.equal(three.completion_ids, one.completion_ids) and torch.equal(three.logp, one.logp)
+    # prompt i went to server i mod 3 (concurrently: in any order; then the second engine sent all seven to a)
+    assert sorted(stand_ins[0].prompts()[:3]) == [PROMPTS[0], PROMPTS[3], PROMPTS[6]]
+    assert sorted(stand_ins[1].prompts()) == [PROMPTS[1], PROMPTS[4]]
+    assert sorted(stand_ins[2].prompts()) == [PROMPTS[2], PROMPTS[5]]
+
+
+def test_a_weight_update_reaches_every_server_and_resets_every_prefix_cache(tmp_path):
+    stand_ins = [StandIn(), StandIn(busy_resets=1), StandIn()]  # the second answers success=false once
+    with serve(stand_ins[0].app()) as a, serve(stand_ins[1].app()) as b, serve(stand_ins[2].app()) as c:
+        engine = ready(VLLMServerEngine(base_url=[a, b, c], weights_dir=str(tmp_path / "w"), **FAST))
+        engine.update_weights([("lm_head.weight", torch.ones(2, 2))])
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "w")}}
+    for stand_in, resets in zip(stand_ins, (1, 2, 1), strict=True):
+        assert stand_in.seen[0] == ("/collective_rpc", reload)
+        assert stand_in.paths()[1:] == ["/reset_prefix_cache"] * resets
+    assert (tmp_path / "w" / WEIGHTS_FILE).is_file()
+
+
+def test_a_server_killed_mid_request_is_retried_then_named():
+    with serve(StandIn().app()) as alive, stand_in_process(delay_s=3.0) as (doomed, process):
+        engine = ready(VLLMServerEngine(base_url=[alive, doomed], **FAST))
+        threading.Timer(0.5, process.kill).start()  # while the doomed server holds its requests
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError) as error:
+            engine.generate(PROMPTS[:4], n=2, seed=0)
+        elapsed = time.monotonic() - started
+    message = str(error.value)
+    assert message.startswith(f"vLLM server {doomed} failed: POST /v1/completions") and alive not in message
+    assert "first: RemoteDisconnected" in message or "first: ConnectionResetError" in message, message
+    assert "last: ConnectionRefusedError" in message and "retry_max_s=1.0" in message
+    assert "still running (its log says why it stopped" in message and "reachable from this machine" in message
+    assert 1.4 < elapsed < 8.0  # killed at 0.5 s, then retried for retry_max_s=1 s
+
+
+def test_a_dead_server_fails_its_queued_requests_at_once():
+    engine = VLLMServerEngine(base_url=f"http://127.0.0.1:{free_port()}", max_concurrent_requests=1, **FAST)
+    engine.eos_id = engine.pad_id = 0  # no setup: its health wait would stop first
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match=r"first: ConnectionRefusedError"):
+        engine.generate(PROMPTS, n=1)
+    assert time.monotonic() - started < 5.0  # seven queued requests, one retry window (1 s), not seven
+
+
+def test_a_server_back_within_retry_max_s_lets_the_run_go_on():
+    port = free_port()
+    with stand_in_process(port) as (url, _):
+        engine = ready(VLLMServerEngine(base_url=url, retry_max_s=30.0, retry_backoff_s=0.1))
+        before = engine.generate(PROMPTS, n=2, seed=1)
+    done = threading.Event()  # the server is down now; it comes back 0.5 s into the next generate
+
+    def restart():
+        time.sleep(0.5)
+        with stand_in_process(port):
+            done.wait(60)
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        after = engine.generate(PROMPTS, n=2, seed=1)
+    finally:
+        done.set()
+        thread.join(60)
+    assert torch.equal(after.completion_ids, before.completion_ids)
+
+
+def test_5xx_is_retried_and_4xx_is_not():
+    stand_in = StandIn(max_model_len=16)
+    faults = Faults(where="/v1/completions", fail_first=2)  # each distinct request answers 500 twice first
+    with serve(with_faults(stand_in.app(), faults)) as url:
+        engine = ready(VLLMServerEngine(base_url=url, **FAST))
+        assert len(engine.generate(PROMPTS[:2], n=2, seed=0)) == 4
+        assert faults.count("POST", "/v1/completions") == 2 * 3
+        with pytest.raises(VLLMServerError) as error:
+            engine.generate([[5] * 12], n=1, seed=0)  # 12 + 6 tokens > max_model_len 16
+        assert faults.count("POST", "/v1/completions") == 6 + 3  # two 500s, then the 400 once: not retried
+    message = str(error.value)
+    assert f"vLLM server {url} refused POST /v1/completions with HTTP 400 (not retried)" in message
+    assert "maximum context length is 16" in message and "12 prompt tokens and max_tokens=6" in message
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_from_the_setting_or_the_environment(monkeypatch):
+    stand_in = StandIn(api_key="s3cret")
+    with serve(stand_in.app()) as url:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        with pytest.raises(VLLMServerError, match=r"HTTP 401 \(not retried\).*api_key or the environment variable"):
+            ready(VLLMServerEngine(base_url=url, **FAST)).generate(PROMPTS[:1], n=1)
+        ready(VLLMServerEngine(base_url=url, api_key="s3cret", **FAST)).generate(PROMPTS[:1], n=1)
+        monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+        ready(VLLMServerEngine(base_url=url, **FAST)).generate(PROMPTS[:1], n=1)
+    assert stand_in.authorization[-1] == "Bearer s3cret" and stand_in.paths().count("/v1/completions") == 3
+
+
+def test_the_health_wait_names_each_server_that_never_answers_and_waits_for_a_slow_one():
+    assert inspect.signature(VLLMServerEngine).parameters["health_max_wait_s"].default <= 30
+    dead = f"http://127.0.0.1:{free_port()}"
+    with serve(StandIn().app()) as alive, serve(StandIn(healthy_after_s=1.0).app()) as slow:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError) as error:
+            ready(VLLMServerEngine(base_url=[alive, dead], health_max_wait_s=1.0, health_interval_ms=100))
+        assert 0.8 < time.monotonic() - started < 5.0
+        ready(VLLMServerEngine(base_url=[alive, slow], health_max_wait_s=10.0, health_interval_ms=100))
+    message = str(error.value)
+    assert f"{dead} (last: ConnectionRefusedError" in message and alive not in message
+    assert "health_max_wait_s=1.0" in message and "raise health_max_wait_s" in message
+
+
+def test_base_url_takes_one_address_or_a_list_of_distinct_ones():
+    assert VLLMServerEngine(base_url="http://h:1/").base_urls == ["http://h:1"]
+    assert VLLMServerEngine(base_url=["http://h:1", "http://h:2"]).base_urls == ["http://h:1", "http://h:2"]
+    with pytest.raises(ValueError, match=r"model.engine.init_args.base_url is an empty list"):
+        VLLMServerEngine(base_url=[])
+    with pytest.raises(ValueError, match=r"names a server twice"):
+        VLLMServerEngine(base_url=["http://h:1", "http://h:1/"])
+    with pytest.raises(ValueError, match=r"base_url='h:1' must be an http:// or https:// URL"):
+        VLLMServerEngine(base_url=["h:1"])
+    with pytest.raises(ValueError, match=r"model.engine.init_args.retry_max_s=-1 must be >= 0"):
+        VLLMServerEngine(retry_max_s=-1)
