@@ -1,7 +1,8 @@
 """gpo.algo: the math of group-based policy optimisation, in pure torch.
 
 Four kinds of part compose every algorithm: an ``AdvantageEstimator``, a ``RatioGate``, a ``LossAggregator`` and
-a ``RewardMixer``; presets (``GRPO``, ``DAPO``, ...) are named bundles of the first three. This package imports
+a ``RewardMixer``; presets (``GRPO``, ``DAPO``, ...) are named bundles of the first three. The ``PolicyObjective``
+adds token weights, ``TokenMask``s, the KL and entropy terms and on-policy distillation. This package imports
 torch only.
 """
 
@@ -10,14 +11,17 @@ from gpo.algo.advantages import (
     BatchWhitenedAdvantage,
     GroupNormAdvantage,
     LeaveOneOutAdvantage,
+    MeanScaledAdvantage,
     RankAdvantage,
 )
 from gpo.algo.aggregators import ConstantNorm, LossAggregator, SequenceMean, SequenceSum, TokenMean
 from gpo.algo.correction import RolloutCorrection, mismatch_metrics
+from gpo.algo.distillation import TeacherKL
 from gpo.algo.gates import (
     CISPOGate,
     ClipGate,
     DivergenceMaskGate,
+    DROGate,
     GeometricMeanGate,
     NoGate,
     RatioGate,
@@ -29,27 +33,33 @@ from gpo.algo.gates import (
     router_shift_weight,
 )
 from gpo.algo.logprobs import TokenLogProbs, linear_token_logprobs, token_logprobs
+from gpo.algo.masks import HighEntropyMask, MismatchBandMask, OffPolicySequenceMask, SecondMomentMask, TokenMask
 from gpo.algo.mixers import EnvEventOutcomeBlend, GroupNormalizedSum, RewardMixer, WeightedSum
 from gpo.algo.objective import PolicyObjective
 from gpo.algo.presets import (
     ALGORITHMS,
     CISPO,
     DAPO,
+    DPPO,
+    DRO,
     GMPO,
+    GOPO,
     GRPO,
     GSPO,
     RLOO,
     RSPO,
     SAPO,
+    VESPO,
     Algorithm,
     Custom,
     DrGRPO,
+    MaxRL,
     Parts,
     PPOClip,
     ReinforcePP,
     preset,
 )
-from gpo.algo.regularizers import EntropyBonus, KLPenalty, kl_estimate
+from gpo.algo.regularizers import AdaptiveEntropy, EntropyBonus, KLPenalty, kl_estimate
 from gpo.algo.turns import StepRewards
 from gpo.algo.weighting import OverlongFilter, ReferenceProbWeight, TokenWeight
 
@@ -57,12 +67,17 @@ __all__ = [
     "ALGORITHMS",
     "CISPO",
     "DAPO",
+    "DPPO",
+    "DRO",
     "GMPO",
+    "GOPO",
     "GRPO",
     "GSPO",
     "RLOO",
     "RSPO",
     "SAPO",
+    "VESPO",
+    "AdaptiveEntropy",
     "AdvantageEstimator",
     "Algorithm",
     "BatchWhitenedAdvantage",
@@ -70,6 +85,7 @@ __all__ = [
     "ClipGate",
     "ConstantNorm",
     "Custom",
+    "DROGate",
     "DivergenceMaskGate",
     "DrGRPO",
     "EntropyBonus",
@@ -77,10 +93,15 @@ __all__ = [
     "GeometricMeanGate",
     "GroupNormAdvantage",
     "GroupNormalizedSum",
+    "HighEntropyMask",
     "KLPenalty",
     "LeaveOneOutAdvantage",
     "LossAggregator",
+    "MaxRL",
+    "MeanScaledAdvantage",
+    "MismatchBandMask",
     "NoGate",
+    "OffPolicySequenceMask",
     "OverlongFilter",
     "PPOClip",
     "Parts",
@@ -92,12 +113,15 @@ __all__ = [
     "RewardMixer",
     "RolloutCorrection",
     "RouterShiftGate",
+    "SecondMomentMask",
     "SequenceClipGate",
     "SequenceMean",
     "SequenceSum",
     "SoftGate",
     "StepRewards",
+    "TeacherKL",
     "TokenLogProbs",
+    "TokenMask",
     "TokenMean",
     "TokenWeight",
     "VESPOGate",

@@ -123,6 +123,33 @@ class BatchWhitenedAdvantage(AdvantageEstimator):
         return _broadcast(adv, mask)
 
 
+class MeanScaledAdvantage(AdvantageEstimator):
+    """Centred reward over the group mean (MaxRL, "maximum-likelihood RL", arXiv 2602.02710; prime-rl's ``max_rl``).
+
+    ``A_i = (r_i - mean_group(r)) / mean_group(r)``. For rewards in ``[0, 1]`` with pass rate ``p`` in the group, a
+    correct answer gets ``(1 - p) / p``: rare successes on hard prompts weigh like ``1 / p``, the weighting of the
+    maximum-likelihood objective, where GRPO's std scaling gives ``sqrt((1 - p) / p)``.
+
+    Guard: a group whose mean reward is at or below ``eps`` gets zero advantage. The rule is meant for non-negative
+    (usually binary) rewards; a negative mean would flip the sign of every advantage in the group, and a mean of
+    ~0 (all answers wrong) carries no signal. prime-rl zeroes groups with mean ``<= 0``; ``eps`` also keeps a mean
+    of 1e-12 from producing advantages of 1e12. Groups of one and all-equal groups get 0 (centred reward 0).
+
+    Args:
+        eps: a group mean at or below ``eps`` gives zero advantage.
+    """
+
+    def __init__(self, *, eps: float = 1e-6) -> None:
+        if eps < 0:
+            raise ValueError(f"eps={eps} must be >= 0.")
+        self.eps = eps
+
+    def __call__(self, reward: Tensor, group: Tensor, mask: Tensor) -> Tensor:
+        reward = reward.to(torch.float64)  # exact sums: equal rewards give exactly zero centred reward
+        mean, _, _ = group_mean_std(reward, group)  # [B]
+        return _broadcast(safe_divide(reward - mean, mean, self.eps), mask)
+
+
 class RankAdvantage(AdvantageEstimator):
     """Rank-based advantage (GOPO, group ordinal policy optimisation): only the order within a group counts.
 

@@ -1,34 +1,44 @@
-"""The policy objective of one RL step: token weights, gate, regularisers, sample weights and aggregation."""
+"""The policy objective of one RL step: token weights, masks, gate, regularisers, sample weights and aggregation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from gpo.algo.aggregators import LossAggregator
+from gpo.algo.distillation import TeacherKL
 from gpo.algo.gates.base import Metrics, RatioGate
 from gpo.algo.masked import masked_mean
+from gpo.algo.masks import TokenMask
 from gpo.algo.regularizers import EntropyBonus, KLPenalty
 from gpo.algo.weighting import TokenWeight
 
+#: What the objective always has in a gradient pass; parts naming only these need nothing more from the trainer.
+ALWAYS_GIVEN = frozenset({"logp", "old_logp", "adv", "entropy"})
+
 
 class PolicyObjective:
-    """``loss = aggregate(c_t * (gate_t(A'_t) + beta * KL_t - coef * H_t))`` over the step's normaliser.
+    """``loss = aggregate(c_t * (gate_t(A'_t; m_t) + beta * KL_t - coef * H_t))`` over the step's normaliser.
 
-    ``A'_t = w_t A_t`` with ``w_t`` the product of the ``token_weights`` (dropping weights shrink the mask instead:
-    ``loss_mask``); ``gate_t`` is the ratio gate's per-token loss; ``KL_t`` the KL estimate towards the reference
-    (``kl`` placed in the loss); ``H_t`` the token entropy (``entropy``); ``c_t`` a constant sample weight (the
-    rollout-vs-trainer correction, TIS/MIS). ``requires`` names every input beyond log-probs, advantages and the
-    mask that the gate, the KL term and the weights read; the trainer computes exactly those.
+    ``A'_t = w_t A_t - lambda k_t`` with ``w_t`` the product of the ``token_weights`` (dropping weights shrink the mask
+    instead: ``loss_mask``) and ``k_t`` the reverse KL to a teacher (``distill``, on-policy distillation); ``gate_t``
+    is the ratio gate's per-token loss over the tokens ``m_t`` the per-update ``masks`` keep (masks of step inputs
+    shrink the loss mask instead: ``step_mask``); ``KL_t`` the KL estimate towards the reference (``kl`` placed in
+    the loss); ``H_t`` the token entropy (``entropy``); ``c_t`` a constant sample weight (the rollout-vs-trainer
+    correction, TIS/MIS). A token a per-update mask drops keeps its KL and entropy terms and its place in the
+    normaliser, like a clipped token. ``requires`` names every input beyond log-probs, advantages, the mask and the
+    entropy that the parts read; the trainer computes exactly those.
 
     Args:
         gate: the ratio gate.
         aggregator: how token terms are averaged.
         kl: KL penalty towards the reference (the loss term when placed in the loss; see ``KLPenalty``).
-        entropy: entropy bonus.
+        entropy: entropy bonus, constant or adaptive.
         token_weights: per-token weights of the advantage (``OverlongFilter``, ``ReferenceProbWeight``, ...).
+        masks: tokens to leave out of the surrogate (``OffPolicySequenceMask``, ``SecondMomentMask``, ...).
+        distill: on-policy distillation towards a teacher (``TeacherKL``).
     """
 
     def __init__(
@@ -39,20 +49,35 @@ class PolicyObjective:
         kl: KLPenalty | None = None,
         entropy: EntropyBonus | None = None,
         token_weights: Sequence[TokenWeight] = (),
+        masks: Sequence[TokenMask] = (),
+        distill: TeacherKL | None = None,
     ) -> None:
-        self.gate, self.aggregator = gate, aggregator
+        self.gate, self.aggregator, self.distill = gate, aggregator, distill
         self.kl = kl if kl is not None and kl.beta > 0 and kl.placement == "loss" else None
-        self.entropy = entropy if entropy is not None and entropy.coef > 0 else None
+        self.entropy = entropy if entropy is not None and entropy.enabled else None
         self.dropping = [w for w in token_weights if w.drops_tokens]
         self.scaling = [w for w in token_weights if not w.drops_tokens]
+        self.step_masks = [m for m in masks if not m.per_update]
+        self.update_masks = [m for m in masks if m.per_update]
         needs_reference = self.kl is not None or any("ref_logp" in w.requires for w in self.scaling)
-        self.requires = frozenset(gate.requires) | ({"ref_logp"} if needs_reference else set())
+        needs = [gate.requires, *(m.requires for m in masks), distill.requires if distill is not None else set()]
+        self.requires = frozenset().union(*needs) - ALWAYS_GIVEN | ({"ref_logp"} if needs_reference else set())
 
     def loss_mask(self, mask: Tensor, truncated: Tensor) -> Tensor:
         """``mask[B, T]`` with the tokens the dropping weights take out of the loss (and its normaliser) zeroed."""
         for weight in self.dropping:
             mask = weight(mask, truncated=truncated)
         return mask
+
+    def step_mask(self, mask: Tensor, adv: Tensor, **inputs: Tensor) -> tuple[Tensor, Metrics]:
+        """``mask[B, T]`` with the tokens the step-input masks drop zeroed (they leave the loss and its normaliser)
+        and their metrics; ``inputs`` as the masks require (``rollout_logp``, ``train_logp``). Once per step, before
+        the normaliser is taken."""
+        metrics: Metrics = {}
+        for token_mask in self.step_masks:
+            keep, mask_metrics = token_mask(mask, **_pick(token_mask, {"adv": adv, **inputs}))
+            mask, metrics = torch.where(keep, mask, torch.zeros_like(mask)), {**metrics, **mask_metrics}  # [B, T]
+        return mask, metrics
 
     def weigh(self, adv: Tensor, mask: Tensor, **inputs: Tensor) -> Tensor:
         """``adv[B, T]`` times every scaling weight (fixed for the step), 0 outside ``mask``; ``inputs`` as the
@@ -73,14 +98,27 @@ class PolicyObjective:
         ref_logp: Tensor | None = None,
         entropy: Tensor | None = None,
         weight: Tensor | None = None,
-        **gate_inputs: Tensor,
+        teacher_logp: Tensor | None = None,
+        **inputs: Tensor,
     ) -> tuple[Tensor, Metrics]:
-        """All tensors ``[B, T]`` (gate inputs as the gate needs); returns the scalar loss and diagnostics."""
-        per_token, metrics = self.gate(logp, old_logp, adv, mask, **gate_inputs)
+        """All tensors ``[B, T]`` (``inputs``: what the gate and masks require, others ignored); returns the scalar
+        loss and diagnostics."""
+        metrics: Metrics = {}
+        if self.distill is not None:
+            if teacher_logp is None:
+                raise ValueError("distill needs teacher_logp (the teacher's log-probs of the sampled tokens).")
+            adv, metrics = self.distill(adv, logp, mask, teacher_logp=teacher_logp)
+        given = {**inputs, "logp": logp.detach(), "old_logp": old_logp, "adv": adv, "entropy": entropy}
+        kept = mask
+        for token_mask in self.update_masks:
+            keep, mask_metrics = token_mask(kept, **_pick(token_mask, given))
+            kept, metrics = torch.where(keep, kept, torch.zeros_like(kept)), {**metrics, **mask_metrics}  # [B, T]
+        per_token, gate_metrics = self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given))
+        metrics = {**metrics, **gate_metrics}
         if self.kl is not None:
             if ref_logp is None:
                 raise ValueError("the KL loss term needs ref_logp (reference log-probs of the same tokens).")
-            kl_term, kl_metrics = self.kl.loss_term(logp, ref_logp, mask)
+            kl_term, kl_metrics = self.kl.loss_term(logp, ref_logp, mask, old_logp=old_logp)
             per_token, metrics = per_token + kl_term, {**metrics, **kl_metrics}
         if self.entropy is not None:
             if entropy is None:
@@ -91,3 +129,34 @@ class PolicyObjective:
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
         return self.aggregator(per_token, mask, normaliser), metrics
+
+    @property
+    def adapts(self) -> bool:
+        """Whether ``end_step`` has anything to adapt (an adaptive entropy coefficient)."""
+        return self.entropy is not None and self.entropy.adaptive is not None
+
+    def end_step(self, metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
+        """After an RL step's updates: the adaptive entropy coefficient sees the step's mean token entropy
+        (``metrics["entropy"]``, averaged over every process); returns its metrics, or nothing without one or
+        without a measurement."""
+        if not self.adapts or "entropy" not in metrics:
+            return {}
+        return self.entropy.observe(float(metrics["entropy"]))
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        """The state that outlives a step (the adaptive entropy coefficient), as plain values for a checkpoint."""
+        if not self.adapts:
+            return {}
+        return {"entropy": self.entropy.adaptive.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, dict[str, float]]) -> None:
+        if "entropy" in state and self.adapts:
+            self.entropy.adaptive.load_state_dict(state["entropy"])
+
+
+def _pick(part: RatioGate | TokenMask, given: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+    """The inputs ``part.requires`` from ``given``, refusing a missing one with its name."""
+    missing = sorted(name for name in part.requires if given.get(name) is None)
+    if missing:
+        raise ValueError(f"{type(part).__name__} needs {missing}; pass them to the objective by name.")
+    return {name: given[name] for name in part.requires}

@@ -18,9 +18,14 @@ from gpo.algo import (
     ClipGate,
     ConstantNorm,
     DivergenceMaskGate,
+    DROGate,
     GeometricMeanGate,
+    HighEntropyMask,
+    MismatchBandMask,
     NoGate,
+    OffPolicySequenceMask,
     RouterShiftGate,
+    SecondMomentMask,
     SequenceClipGate,
     SequenceMean,
     SequenceSum,
@@ -233,6 +238,7 @@ TOKEN_GATES = st.one_of(
     st.builds(ClipGate, clip_low=CLIP, clip_high=CLIP, dual_clip=st.one_of(st.none(), st.floats(1.5, 10))),
     st.builds(CISPOGate, clip_low=CLIP, clip_high=CLIP),
     st.builds(SoftGate, tau_pos=POSITIVE, tau_neg=POSITIVE),
+    st.builds(DROGate, beta=POSITIVE),
     st.builds(
         DivergenceMaskGate,
         mode=st.sampled_from(["binary_tv", "binary_kl", "topk_tv", "topk_kl"]),
@@ -289,6 +295,32 @@ def gate_inputs(gate, case: Case, same_router: bool = False) -> dict[str, Tensor
             "old_topk_logp": old.gather(-1, top).masked_fill(where, math.nan),
         }
     return {}
+
+
+# masks that read the current policy (per update) and masks of step inputs; OffPolicySequenceMask and the step masks
+# are per row or fixed for the step, HighEntropyMask depends on the micro-batch it sees
+ROW_MASKS = st.one_of(
+    st.builds(OffPolicySequenceMask, threshold=st.floats(1e-3, 2.0)),
+    st.builds(SecondMomentMask, bound=st.floats(1e-4, 1.0)),
+    st.builds(MismatchBandMask, low=st.floats(0.05, 1.0), high=st.floats(1.0, 20.0)),
+)
+TOKEN_MASKS = st.one_of(ROW_MASKS, st.builds(HighEntropyMask, quantile=st.floats(0.0, 1.0)))
+
+
+def step_inputs(case: Case) -> dict[str, Tensor]:
+    """``train_logp``, ``rollout_logp`` and ``teacher_logp`` ``[B, T]`` (<= 0 on real tokens, NaN on padding): the
+    trainer near the old policy, the engine off from it by up to e^+-3 (IcePop's band and beyond), a teacher."""
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    shape = case.mask.shape
+    train = case.old_logp.detach() - torch.rand(shape, generator=gen) * 0.1
+    rollout = train - 3 * torch.rand(shape, generator=gen) ** 3 * torch.randn(shape, generator=gen).sign()
+    teacher = -5 * torch.rand(shape, generator=gen)
+    pad = case.padding
+    return {
+        "train_logp": train.masked_fill(pad, math.nan),
+        "rollout_logp": rollout.clamp(max=0).masked_fill(pad, math.nan),
+        "teacher_logp": teacher.masked_fill(pad, math.nan),
+    }
 
 
 def split_rows(extra: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:

@@ -8,6 +8,7 @@ from gpo.algo import (
     BatchWhitenedAdvantage,
     GroupNormAdvantage,
     LeaveOneOutAdvantage,
+    MeanScaledAdvantage,
     RankAdvantage,
 )
 
@@ -19,6 +20,7 @@ ESTIMATORS = [
     LeaveOneOutAdvantage(),
     BatchWhitenedAdvantage(),
     RankAdvantage(),
+    MeanScaledAdvantage(),
 ]
 
 
@@ -145,6 +147,7 @@ def test_invalid_choices_list_the_valid_ones():
         (GroupNormAdvantage(scale="none"), [0.5, -0.5, 0, 0]),
         (LeaveOneOutAdvantage(), [1, -1, 0, 0]),  # r_i - r_j
         (RankAdvantage(), [1, -1, 0, 0]),
+        (MeanScaledAdvantage(), [1, -1, 0, 0]),  # (1 - 0.5) / 0.5 = 1, (0 - 0.5) / 0.5 = -1; (0.3, 0.3) centred 0
         # centred (0.5, -0.5, 0, 0): batch mean 0, population std sqrt((0.25 + 0.25) / 4) = 0.35355
         (BatchWhitenedAdvantage(), [1.4142136, -1.4142136, 0, 0]),
     ],
@@ -152,3 +155,45 @@ def test_invalid_choices_list_the_valid_ones():
 )
 def test_groups_of_two(estimator, expected):
     assert seq_adv(estimator, [1.0, 0.0, 0.3, 0.3], [0, 0, 1, 1]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_maxrl_divides_the_centred_reward_by_the_group_mean_hand_worked():
+    # group 0 [1, 0, 0, 0]: pass rate 1/4 -> (1 - 0.25) / 0.25 = 3 for the success, (0 - 0.25) / 0.25 = -1 otherwise
+    # group 1 [1, 1, 1, 0]: pass rate 3/4 -> 0.25 / 0.75 = 1/3, and -0.75 / 0.75 = -1
+    # group 2 [0.5, 0.2]: mean 0.35 -> 0.15 / 0.35 = 3/7, -3/7
+    adv = seq_adv(MeanScaledAdvantage(), [1, 0, 0, 0, 1, 1, 1, 0, 0.5, 0.2], [0] * 4 + [1] * 4 + [2] * 2)
+    assert adv == pytest.approx([3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1, 3 / 7, -3 / 7], abs=1e-6)
+
+
+def test_maxrl_matches_a_float64_reference_and_differs_from_grpo_by_the_spread_over_the_mean():
+    torch.manual_seed(1)
+    reward, group = torch.rand(24), torch.arange(24) % 6
+    adv = seq_adv(MeanScaledAdvantage(), reward.tolist(), group.tolist())
+    grpo = seq_adv(GroupNormAdvantage(), reward.tolist(), group.tolist())
+    for g in range(6):
+        rows = [i for i in range(24) if group[i] == g]
+        values = [float(reward[i]) for i in rows]
+        mean = math.fsum(values) / len(values)
+        spread = statistics.pstdev(values)
+        for i, r in zip(rows, values, strict=True):
+            assert adv[i] == pytest.approx((r - mean) / mean, rel=1e-5, abs=1e-6)
+            assert adv[i] == pytest.approx(grpo[i] * spread / mean, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "why"),
+    [
+        ([0.0, 0.0, 0.0], "all wrong: mean 0, no signal"),
+        ([-1.0, 0.0, 0.5], "negative mean -1/6 would flip every sign"),
+        ([2e-7, 0.0, 1e-7], "mean 1e-7 <= eps: float noise would become advantages (1, -1, 0)"),
+    ],
+)
+def test_maxrl_group_mean_at_or_below_eps_gives_zero(rewards, why):
+    assert seq_adv(MeanScaledAdvantage(), rewards, [0, 0, 0]) == [0.0, 0.0, 0.0], why
+    # above eps the rule applies: [6e-6, 0, 0] has mean 2e-6 -> (4e-6 / 2e-6, -1, -1) = (2, -1, -1)
+    assert seq_adv(MeanScaledAdvantage(eps=1e-6), [6e-6, 0.0, 0.0], [0] * 3) == pytest.approx([2, -1, -1], rel=1e-5)
+
+
+def test_maxrl_refuses_a_negative_eps():
+    with pytest.raises(ValueError, match="eps=-1"):
+        MeanScaledAdvantage(eps=-1)

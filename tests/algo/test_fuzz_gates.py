@@ -2,6 +2,8 @@
 
 Hypothesis feeds random shapes, masks (empty and full rows), rewards and log-ratios; see strategies.py."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -12,6 +14,7 @@ from gpo.algo import (
     CISPOGate,
     ClipGate,
     DivergenceMaskGate,
+    DROGate,
     GeometricMeanGate,
     RouterShiftGate,
     SequenceClipGate,
@@ -88,6 +91,38 @@ def test_clip_gate_passes_no_gradient_where_a_bound_is_active(case, gate):
     tokens = real.sum().clamp_min(1)
     assert metrics["clip/low_frac"].item() == pytest.approx(((low & real).sum() / tokens).item())
     assert metrics["clip/high_frac"].item() == pytest.approx(((high & real).sum() / tokens).item())
+
+
+@fuzz()
+@given(case=cases(token_adv=True), clip_low=CLIP, clip_high=CLIP, above=st.floats(0.0, 10.0))
+def test_intellect2_delta_clipping_is_the_dual_clip_at_delta(case, clip_low, clip_high, above):
+    # TRL's delta / INTELLECT-2: -min(min(r, delta) A, clip(r, 1 - lo, 1 + hi) A), written in float64, delta >= 1 + hi
+    delta = 1 + clip_high + above
+    loss, _ = ClipGate(clip_low=clip_low, clip_high=clip_high, dual_clip=delta)(
+        case.logp, case.old_logp, case.adv, case.mask
+    )
+    log_r = real_log_ratio(case).double().requires_grad_(True)
+    r, a = log_r.exp(), case.adv.double()
+    reference = -torch.minimum(r.clamp(max=delta) * a, r.clamp(1 - clip_low, 1 + clip_high) * a) * case.mask
+    torch.testing.assert_close(loss.double(), reference.detach(), rtol=1e-5, atol=1e-6 * (1 + a.abs().max().item()))
+    log_ratio = real_log_ratio(case).double()
+    far = ((log_ratio - math.log(delta)).abs() > 1e-5) & ((log_ratio - math.log(1 + clip_high)).abs() > 1e-5)
+    far &= (log_ratio - math.log(1 - clip_low)).abs() > 1e-5  # off every kink: float32 may pick either side
+    expected = torch.autograd.grad(reference.sum(), log_r)[0]  # d/dlogp = d/dlog r
+    g = grad(loss.sum(), case.logp).double()
+    torch.testing.assert_close(g[far], expected[far], rtol=1e-5, atol=1e-6 * (1 + (a * r).abs().max().item()))
+
+
+@fuzz()
+@given(case=cases(token_adv=True), beta=POSITIVE)
+def test_dro_gradient_is_the_advantage_minus_beta_log_ratio(case, beta):
+    loss, metrics = DROGate(beta=beta)(case.logp, case.old_logp, case.adv, case.mask)
+    log_ratio = real_log_ratio(case).double()
+    expected = -(case.adv.double() - beta * log_ratio) * case.mask
+    atol = 1e-6 * (1 + case.adv.abs().max().item() + beta * 20)
+    torch.testing.assert_close(grad(loss.sum(), case.logp).double(), expected, rtol=1e-5, atol=atol)
+    penalty = (0.5 * beta * log_ratio**2 * case.mask).sum() / case.mask.sum().clamp_min(1)
+    assert metrics["dro/penalty_mean"].item() == pytest.approx(penalty.item(), rel=1e-5, abs=1e-6)
 
 
 @fuzz()

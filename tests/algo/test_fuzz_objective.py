@@ -12,12 +12,15 @@ from torch import Tensor
 
 from gpo.algo import (
     ALGORITHMS,
+    AdaptiveEntropy,
     EntropyBonus,
+    HighEntropyMask,
     KLPenalty,
     NoGate,
     OverlongFilter,
     ReferenceProbWeight,
     RolloutCorrection,
+    TeacherKL,
     TokenMean,
     kl_estimate,
     linear_token_logprobs,
@@ -31,6 +34,7 @@ from tests.algo.strategies import (
     AGGREGATORS,
     ALL_GATES,
     MAX_TOKENS,
+    ROW_MASKS,
     cases,
     fill_padding,
     fuzz,
@@ -38,6 +42,7 @@ from tests.algo.strategies import (
     make_case,
     row_splits,
     split_rows,
+    step_inputs,
 )
 
 # ---------------------------------------------------------------------------------------------- policy objective
@@ -131,7 +136,10 @@ def test_every_preset_runs_end_to_end_without_leaking_padding(name, case):
 # ---------------------------------------------------------------------------------------------- regularizers
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+ESTIMATORS = ["k1", "k2", "k3", "k3+"]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 @fuzz()
 @given(case=cases())
 def test_kl_estimates_follow_their_formulas(estimator, case):
@@ -141,16 +149,54 @@ def test_kl_estimates_follow_their_formulas(estimator, case):
     k = kl_estimate(logp, ref, estimator)
     assert k.shape == logp.shape and torch.isfinite(k).all()
     d = (logp.detach() - ref).double()
-    formula = {"k1": d, "k2": d**2 / 2, "k3": torch.expm1(-d) + d}[estimator]
+    formula = {"k1": d, "k2": d**2 / 2, "k3": torch.expm1(-d) + d, "k3+": torch.expm1(-d) + d}[estimator]
     torch.testing.assert_close(k.double(), formula, rtol=1e-5, atol=1e-5)
     if estimator != "k1":
         assert (k >= 0).all(), "k2 and k3 are never negative"
-    slope = {"k1": torch.ones_like(d), "k2": d, "k3": 1 - torch.exp(-d)}[estimator]  # d k / d logp
+    slope = {"k1": torch.ones_like(d), "k2": d, "k3": 1 - torch.exp(-d), "k3+": d}[estimator]  # d k / d logp
     if len(logp):
         torch.testing.assert_close(grad(k.sum(), case.logp)[real].double(), slope, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@fuzz()
+@given(case=cases(), bound=st.floats(0.05, 20))
+def test_a_bounded_estimate_is_clamped_and_flat_past_the_bound_except_k3_plus(estimator, case, bound):
+    real = case.mask.bool()
+    k = kl_estimate(case.logp[real], case.ref_logp[real], estimator, bound)
+    d = (case.logp.detach() - case.ref_logp).double()[real]
+    free = {"k1": d, "k2": d**2 / 2, "k3": torch.expm1(-d) + d, "k3+": torch.expm1(-d) + d}[estimator]
+    torch.testing.assert_close(k.double(), free.clamp(-bound, bound), rtol=1e-5, atol=1e-5)
+    slope = {"k1": torch.ones_like(d), "k2": d, "k3": 1 - torch.exp(-d), "k3+": d}[estimator]
+    if estimator != "k3+":
+        slope = torch.where(free.abs() > bound, 0.0, slope)
+    far = (free.abs() - bound).abs() > 1e-4 * (1 + bound)  # float32 may land on either side of the bound
+    if len(d):
+        g = grad(k.sum(), case.logp)[real].double()
+        torch.testing.assert_close(g[far], slope[far], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@fuzz()
+@given(case=cases(), beta=st.floats(0.01, 2))
+def test_importance_corrected_term_is_the_ratio_times_the_estimate(estimator, case, beta):
+    penalty = KLPenalty(beta=beta, estimator=estimator, importance_corrected=True)
+    case.logp = fill_padding(case.logp.detach(), case.mask, math.nan).requires_grad_(True)
+    term, metrics = penalty.loss_term(case.logp, case.ref_logp, case.mask, old_logp=case.old_logp)
+    check_metrics(metrics)
+    check_padding_never_leaks(term.sum(), case)
+    real = case.mask.bool()
+    d = (case.logp.detach() - case.ref_logp).double()[real]
+    r = real_log_ratio(case).double().exp()[real]
+    k = {"k1": d, "k2": d**2 / 2, "k3": torch.expm1(-d) + d, "k3+": torch.expm1(-d) + d}[estimator]
+    slope = {"k1": torch.ones_like(d), "k2": d, "k3": 1 - torch.exp(-d), "k3+": d}[estimator]
+    torch.testing.assert_close(term.double()[real], beta * r * k, rtol=1e-4, atol=1e-5)
+    # d (r k) / d logp = r k + r dk/dlogp; for k3 that is r d, the importance-weighted true-KL gradient
+    expected = beta * r * (k + slope)
+    torch.testing.assert_close(grad(term.sum(), case.logp)[real].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 @fuzz()
 @given(case=cases(), beta=st.floats(0, 2))
 def test_kl_penalty_terms_are_masked_and_finite(estimator, case, beta):
@@ -165,7 +211,7 @@ def test_kl_penalty_terms_are_masked_and_finite(estimator, case, beta):
     torch.testing.assert_close(reward, -term.detach().sum(-1), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 @fuzz()
 @given(case=cases())
 @example(case=make_case(mask=[[1.0, 0.0]], logp=[[-1.0, math.nan]], old_logp=[[-1.5, -1.0]]))
@@ -181,6 +227,106 @@ def test_entropy_bonus_is_minus_coef_times_entropy_on_real_tokens(case, coef):
     real = case.mask.bool()
     assert torch.isfinite(term).all() and (term[~real] == 0).all() and (term <= 0).all()
     torch.testing.assert_close(term[real], -coef * case.entropy[real])
+
+
+def trl_adaptive_entropy(entropies, target, step, initial, low, high):
+    """The coefficient TRL applies at each step, written as TRL's trainer writes it (float64)."""
+    coef, last, applied = initial, math.inf, []
+    for entropy in entropies:
+        applied.append(coef if last <= target else 0.0)
+        coef = min(coef + step, high) if entropy <= target else max(coef - step, low)
+        last = entropy
+    return applied
+
+
+@fuzz()
+@given(
+    entropies=st.lists(st.floats(0, 5), max_size=30),
+    target=st.floats(0.1, 4),
+    step=st.floats(1e-3, 0.2),
+    bounds=st.tuples(st.floats(0, 0.5), st.floats(0, 0.5), st.floats(0, 0.5)).map(sorted),
+)
+def test_adaptive_entropy_applies_the_coefficient_trl_would(entropies, target, step, bounds):
+    low, initial, high = bounds
+    bonus = EntropyBonus(adaptive=AdaptiveEntropy(target=target, step=step, initial_coef=initial, min_coef=low,
+                                                  max_coef=high))  # fmt: skip
+    applied = []
+    for entropy in entropies:
+        applied.append(bonus.current)
+        assert low <= bonus.adaptive.value <= high
+        bonus.observe(entropy)
+    assert applied == pytest.approx(trl_adaptive_entropy(entropies, target, step, initial, low, high))
+
+
+KL_CONTROLS = st.builds(
+    KLPenalty,
+    beta=st.sampled_from([0.04, 1.0]),
+    estimator=st.sampled_from(ESTIMATORS),
+    importance_corrected=st.booleans(),
+    bound=st.sampled_from([None, 10.0, 0.5]),
+)
+
+
+@fuzz(40)
+@given(
+    data=st.data(),
+    case=st.booleans().flatmap(lambda token_adv: cases(token_adv=token_adv)),
+    gate=ALL_GATES,
+    aggregator=AGGREGATORS,
+    masks=st.lists(ROW_MASKS, max_size=3),
+    kl=st.one_of(st.none(), KL_CONTROLS),
+    distill=st.one_of(st.none(), st.builds(TeacherKL, coef=st.floats(0.1, 2), replace=st.booleans())),
+)
+def test_policy_objective_with_masks_and_distillation_composes_and_micro_batches_add_up(
+    data, case, gate, aggregator, masks, kl, distill
+):
+    objective = PolicyObjective(gate, aggregator, kl=kl, masks=masks, distill=distill)
+    if objective.kl is not None:  # non-finite padding through the KL term: test_importance_corrected_term_*
+        case.logp = fill_padding(case.logp.detach(), case.mask, 30.0).requires_grad_(True)
+        case.ref_logp = fill_padding(case.ref_logp, case.mask, -30.0)
+    extra, fixed = gate_inputs(gate, case), step_inputs(case)
+    mask, step_metrics = objective.step_mask(case.mask, case.adv, **fixed)
+    assert ((mask == 0) | (case.mask == 1)).all(), "a step mask only removes tokens"
+    inputs = {"ref_logp": case.ref_logp, **fixed}  # every step input, as the trainer hands them to each pass
+    loss, metrics = objective(case.logp, case.old_logp, case.adv, mask, **inputs, **extra)
+    check_metrics({**step_metrics, **metrics}, gate)
+    check_padding_never_leaks(loss, case)
+
+    # loss = aggregate(gate over the kept tokens of A' + beta KL over the mask), over the step-masked normaliser
+    adv = case.adv if distill is None else distill(case.adv, case.logp, mask, teacher_logp=fixed["teacher_logp"])[0]
+    pass_inputs = {"logp": case.logp.detach(), "old_logp": case.old_logp, "adv": adv, **fixed}
+    kept = mask
+    for token_mask in objective.update_masks:
+        keep, _ = token_mask(kept, **{name: pass_inputs[name] for name in token_mask.requires})
+        kept = kept * keep
+    per_token, _ = gate(case.logp, case.old_logp, adv, kept, **extra)
+    if objective.kl is not None:
+        per_token = per_token + kl.loss_term(case.logp, case.ref_logp, mask, old_logp=case.old_logp)[0]
+    torch.testing.assert_close(loss, aggregator(per_token, mask))
+
+    # per-row masks and step masks: micro-batches with the step's normaliser add up to the whole
+    normaliser = aggregator.normaliser(mask)
+    total, accumulated = torch.zeros(()), torch.zeros_like(case.logp)
+    for rows in data.draw(row_splits(case.mask.shape[0])):
+        part, _ = objective(
+            case.logp[rows], case.old_logp[rows], case.adv[rows], mask[rows], normaliser,
+            **{key: value[rows] for key, value in inputs.items()}, **split_rows(extra, rows),
+        )  # fmt: skip
+        total, accumulated = total + part.detach(), accumulated + grad(part, case.logp)
+    scale = 1e-5 * (1 + loss.detach().abs())
+    torch.testing.assert_close(total, loss.detach(), rtol=1e-5, atol=scale.item())
+    full = grad(loss, case.logp)
+    torch.testing.assert_close(accumulated, full, rtol=1e-5, atol=1e-6 * (1 + full.abs().max().item()))
+
+
+@fuzz()
+@given(case=cases(), gate=ALL_GATES, aggregator=AGGREGATORS, quantile=st.floats(0, 1))
+def test_high_entropy_mask_in_the_objective_never_leaks_padding(case, gate, aggregator, quantile):
+    objective = PolicyObjective(gate, aggregator, masks=[HighEntropyMask(quantile=quantile)])
+    loss, metrics = objective(case.logp, case.old_logp, case.adv, case.mask, entropy=case.entropy,
+                              **gate_inputs(gate, case))  # fmt: skip
+    check_metrics(metrics, gate)
+    check_padding_never_leaks(loss, case)
 
 
 # ---------------------------------------------------------------------------------------------- correction, weighting

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gpo.algo import CISPOGate, ClipGate, NoGate, SequenceMean, SoftGate, TokenMean
+from gpo.algo import CISPOGate, ClipGate, DROGate, NoGate, SequenceMean, SoftGate, TokenMean
 
 
 def grad_of(loss_sum, logp):
@@ -71,6 +71,51 @@ def test_dual_clip_bounds_negative_advantage_objective(batch):
     assert metrics["clip/dual_frac"].item() == pytest.approx(1 / 15)
 
 
+@pytest.mark.parametrize("delta", [1.28, 3.0, 10.0])
+def test_intellect2_two_sided_clip_is_the_dual_clip_with_c_delta(batch, delta):
+    # INTELLECT-2 / TRL: -min(min(r, delta) A, clip(r, 1 - lo, 1 + hi) A), for delta >= 1 + hi
+    lo, hi = 0.2, 0.28
+
+    def term(lp, old, a):
+        r = torch.exp(lp - old)
+        return -torch.minimum(torch.clamp(r, max=delta) * a, torch.clamp(r, 1 - lo, 1 + hi) * a)
+
+    loss, _ = check_against_reference(ClipGate(clip_low=lo, clip_high=hi, dual_clip=delta), batch, term)
+    # row 4 token 0: r = e^1.3 = 3.669, A = -1.2; above delta = 3 the objective is pinned at 3 * -1.2, no gradient
+    if delta == 3.0:
+        assert loss[4, 0].item() == pytest.approx(3.6)
+        assert grad_of(loss.sum(), batch.logp)[4, 0].item() == 0
+
+
+def test_dro_gate_value_and_gradient(batch):
+    beta = 0.5
+
+    def term(lp, old, a):
+        return -(a * lp - beta / 2 * (lp - old) ** 2)
+
+    loss, metrics = check_against_reference(DROGate(beta=beta), batch, term)
+    # Hand-derived gradient: -(A - beta log r) on real tokens, however far the ratio is: nothing is clipped
+    log_r = (batch.logp - batch.old_logp).detach()
+    expected = -(batch.adv - beta * log_r) * batch.mask
+    torch.testing.assert_close(grad_of(loss.sum(), batch.logp), expected)
+    # row 4 token 0: log r = 1.3, A = -1.2 -> gradient -(-1.2 - 0.65) = 1.85: pushed down harder than REINFORCE's 1.2
+    assert grad_of(loss.sum(), batch.logp)[4, 0].item() == pytest.approx(1.85)
+    # penalty mean over the 15 real tokens: beta / 2 * mean(log r^2), the log-ratios listed in conftest
+    log_ratios = [0.05, 0.35, -0.3, 0.1, -0.3, 0.35, -0.05, 0.8, -0.9, 0.1, 0.2, -0.2, 1.3, -0.45, 0.02]
+    assert metrics["dro/penalty_mean"].item() == pytest.approx(0.25 * sum(x * x for x in log_ratios) / 15)
+
+
+def test_dro_gate_hand_worked_single_token():
+    # log pi = -1, log pi_old = -1.5, A = 2, beta = 0.5: loss = -(2 * -1 - 0.25 * 0.5^2) = 2.0625
+    # gradient -(A - beta log r) = -(2 - 0.5 * 0.5) = -1.75
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    loss, _ = DROGate(beta=0.5)(
+        logp, torch.tensor([[-1.5]], dtype=torch.float64), torch.tensor([[2.0]]), torch.ones(1, 1)
+    )
+    assert loss.item() == pytest.approx(2.0625)
+    assert grad_of(loss.sum(), logp).item() == pytest.approx(-1.75)
+
+
 def test_cispo_keeps_every_token_with_a_clipped_constant_weight(batch):
     lo, hi = 0.2, 0.28
 
@@ -103,7 +148,9 @@ def test_soft_gate_value_gradient_and_unit_weight_at_ratio_one(batch):
     torch.testing.assert_close(grad_of(loss.sum(), batch.logp), expected)
 
 
-@pytest.mark.parametrize("gate", [NoGate(), ClipGate(), CISPOGate(), SoftGate(), ClipGate(dual_clip=2.0)])
+@pytest.mark.parametrize(
+    "gate", [NoGate(), ClipGate(), CISPOGate(), SoftGate(), ClipGate(dual_clip=2.0), DROGate(beta=0.5)]
+)
 def test_on_policy_gradient_is_reinforce(gate, batch):
     # at ratio 1 every token gate reduces to the REINFORCE gradient -A grad log pi
     old = batch.logp.detach()
@@ -112,7 +159,7 @@ def test_on_policy_gradient_is_reinforce(gate, batch):
     torch.testing.assert_close(grad_of(loss.sum(), batch.logp), expected)
 
 
-@pytest.mark.parametrize("gate", [NoGate(), ClipGate(), CISPOGate(), SoftGate()])
+@pytest.mark.parametrize("gate", [NoGate(), ClipGate(), CISPOGate(), SoftGate(), DROGate(beta=0.5)])
 def test_nan_on_padding_never_leaks(gate, batch):
     logp = batch.logp.detach().clone()
     logp[batch.mask == 0] = float("nan")
@@ -155,6 +202,11 @@ def test_ratio_metrics_over_real_tokens_only(batch):
 def test_clip_gate_refuses_empty_trust_regions(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClipGate(**kwargs)
+
+
+def test_dro_gate_refuses_a_non_positive_beta():
+    with pytest.raises(ValueError, match="beta=0"):
+        DROGate(beta=0)
 
 
 def test_soft_gate_refuses_non_positive_temperature():

@@ -6,21 +6,29 @@ from gpo.algo import (
     ALGORITHMS,
     CISPO,
     DAPO,
+    DPPO,
+    DRO,
     GMPO,
+    GOPO,
     GRPO,
     GSPO,
     RLOO,
     RSPO,
     SAPO,
+    VESPO,
     BatchWhitenedAdvantage,
     CISPOGate,
     ClipGate,
     ConstantNorm,
     Custom,
+    DivergenceMaskGate,
     DrGRPO,
+    DROGate,
     GeometricMeanGate,
     GroupNormAdvantage,
     LeaveOneOutAdvantage,
+    MaxRL,
+    MeanScaledAdvantage,
     NoGate,
     PPOClip,
     RankAdvantage,
@@ -45,6 +53,7 @@ EXPECTED_PARTS = {
     "sapo": (GroupNormAdvantage, SoftGate, SequenceMean),
     "gmpo": (GroupNormAdvantage, GeometricMeanGate, SequenceMean),
     "rspo": (GroupNormAdvantage, RouterShiftGate, SequenceMean),
+    "vespo": (GroupNormAdvantage, VESPOGate, TokenMean),
 }
 
 
@@ -83,6 +92,28 @@ def test_each_preset_reads_only_its_own_settings():
         RLOO(advantage_norm="batch")  # its baseline is a group statistic (seed 000)
 
 
+def test_presets_of_the_newer_methods_build_their_parts_from_their_own_settings():
+    def types(algorithm):
+        parts = algorithm.parts(64)
+        return tuple(map(type, (parts.advantage, parts.gate, parts.aggregator)))
+
+    assert types(MaxRL()) == (MeanScaledAdvantage, NoGate, SequenceMean)
+    assert types(MaxRL(ppo_clip=PPOClip())) == (MeanScaledAdvantage, ClipGate, SequenceMean)
+    assert types(DRO(beta=0.05)) == (GroupNormAdvantage, DROGate, TokenMean) and DRO(beta=0.05).gate.beta == 0.05
+    assert types(GOPO()) == (RankAdvantage, ClipGate, SequenceMean)
+    assert (GOPO().gate.clip_low, GOPO().gate.clip_high) == (0.2, 0.2)
+    dppo = DPPO(mode="topk_kl", threshold=0.1, top_k=8)
+    assert types(dppo) == (GroupNormAdvantage, DivergenceMaskGate, TokenMean)
+    assert (dppo.gate.mode, dppo.gate.threshold, dppo.gate.topk_tokens) == ("topk_kl", 0.1, 8)
+    vespo = VESPO(k_pos=1.0, advantage_norm="batch")
+    assert (vespo.gate.k_pos, vespo.gate.lambda_pos, vespo.gate.k_neg, vespo.gate.lambda_neg) == (1.0, 3.0, 3.0, 2.0)
+    assert vespo.parts().advantage.scale == "batch"
+    with pytest.raises(TypeError):
+        DRO()  # beta has no default
+    with pytest.raises(TypeError):
+        DPPO(mode="binary_tv")  # nor has the trust-region radius
+
+
 def test_dr_grpo_token_sum_norm_divides_by_the_generation_budget():
     assert isinstance(DrGRPO().parts(64).aggregator, TokenMean)
     aggregator = DrGRPO(loss_agg_mode="token_sum_norm").parts(max_new_tokens=64).aggregator
@@ -109,6 +140,11 @@ def test_custom_combines_any_parts_without_rules():
         (lambda: DrGRPO(max_completion_length=64), "read only with loss_agg_mode: token_sum_norm"),
         (lambda: SAPO(tau_pos=0), "tau_pos=0"),
         (lambda: RLOO(ppo_clip=PPOClip(dual_clip=0.5)), "dual_clip=0.5 must be > 1"),
+        (lambda: DRO(beta=-1), "beta=-1"),
+        (lambda: DPPO(mode="tv", threshold=0.1), "'binary_tv', 'binary_kl', 'topk_tv', 'topk_kl'"),
+        (lambda: MaxRL(eps=-1), "eps=-1"),
+        (lambda: VESPO(advantage_norm="global"), "'group' or 'batch'"),
+        (lambda: preset("maxrl"), "vespo"),
     ],
 )
 def test_invalid_configurations_fail_at_construction_with_the_fix(build, message):

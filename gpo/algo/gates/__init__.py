@@ -9,11 +9,12 @@ from gpo.algo.gates.base import RatioGate
 from gpo.algo.gates.divergence import DivergenceMaskGate
 from gpo.algo.gates.router import RouterShiftGate, router_logprobs, router_shift_weight
 from gpo.algo.gates.sequence import GeometricMeanGate, SequenceClipGate, VESPOGate
-from gpo.algo.gates.token import CISPOGate, ClipGate, NoGate, SoftGate
+from gpo.algo.gates.token import CISPOGate, ClipGate, DROGate, NoGate, SoftGate
 
 __all__ = [
     "CISPOGate",
     "ClipGate",
+    "DROGate",
     "DivergenceMaskGate",
     "GeometricMeanGate",
     "NoGate",

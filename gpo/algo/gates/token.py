@@ -39,10 +39,16 @@ class ClipGate(RatioGate):
     ratio on a bad token cannot produce an unbounded step. The gradient is ``-A_t r_t grad log pi`` on
     tokens where no bound is active and 0 elsewhere.
 
+    INTELLECT-2's two-sided clipping (its bound ``delta``; TRL's ``delta``) is this dual clip with
+    ``dual_clip = delta``: its objective ``min(min(r_t, delta) A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)``
+    equals ours token by token whenever ``delta >= 1 + clip_high``, the range the report and TRL ask for (for
+    ``A_t > 0`` the clipped branch is already below ``delta``; for ``A_t < 0`` both are ``A_t min(max(r_t, clip(r_t)),
+    delta)``). So there is no separate ``delta`` setting.
+
     Args:
         clip_low: lower bound is ``1 - clip_low``.
         clip_high: upper bound is ``1 + clip_high``.
-        dual_clip: the constant ``c`` of dual clipping, or None to disable.
+        dual_clip: the constant ``c`` of dual clipping (INTELLECT-2's ``delta``), or None to disable.
     """
 
     def __init__(self, *, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None) -> None:
@@ -119,3 +125,29 @@ class SoftGate(RatioGate):
         s = gate.detach()
         metrics["gate/weight_mean"] = masked_mean(4 * s * (1 - s), mask).detach()
         return masked_loss(-(4 / tau) * gate * adv, mask), metrics
+
+
+class DROGate(RatioGate):
+    """Direct reward optimisation's loss on the sampled tokens (DRO, Richemond et al. 2024; issue 16 names veRL).
+
+    ``loss_t = -(A_t log pi(o_t) - (beta / 2) (log pi(o_t) - log pi_old(o_t))^2)``, whose gradient is
+    ``-(A_t - beta log r_t) grad log pi``: the REINFORCE gradient at ``r_t = 1``, with a pull back towards the policy
+    that sampled the token that grows linearly with the token's log-ratio. Nothing is clipped or dropped and the
+    ratio never multiplies the gradient, which grows with ``log r_t``, not ``r_t``; ``beta`` alone sets how far the
+    policy may wander from ``pi_old``. This is the per-token form of DRO's squared-residual loss with ``pi_old`` as
+    the anchor, as Tinker documents its ``dro`` loss.
+
+    Args:
+        beta: weight of the quadratic penalty on the log-ratio (no default: the sources we read use 0.01 to 1).
+    """
+
+    def __init__(self, *, beta: float) -> None:
+        check_positive(beta=beta)
+        self.beta = beta
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, Metrics]:
+        log_ratio = token_log_ratio(logp, old_logp, mask)
+        penalty = 0.5 * self.beta * log_ratio**2  # [B, T], 0 on padding
+        metrics = ratio_metrics(log_ratio, mask)
+        metrics["dro/penalty_mean"] = masked_mean(penalty.detach(), mask)
+        return masked_loss(-(adv * logp - penalty), mask), metrics

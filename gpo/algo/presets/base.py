@@ -1,0 +1,83 @@
+"""The preset contract: the parts an algorithm trains with, ``Custom`` to combine any, and PPO clipping as a layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+from gpo.algo.advantages import AdvantageEstimator, GroupNormAdvantage
+from gpo.algo.aggregators import LossAggregator, SequenceMean
+from gpo.algo.gates import ClipGate, NoGate, RatioGate
+
+AdvantageNorm = Literal["group", "batch"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The three loss parts of an algorithm."""
+
+    advantage: AdvantageEstimator
+    gate: RatioGate
+    aggregator: LossAggregator
+
+
+class Algorithm(ABC):
+    """An algorithm: the parts it trains with, built for the engine's completion budget."""
+
+    @abstractmethod
+    def parts(self, max_new_tokens: int | None = None) -> Parts:
+        """The advantage estimator, ratio gate and loss aggregator; ``max_new_tokens`` is the generation budget
+        (read by aggregators that normalise by it)."""
+
+
+class Custom(Algorithm):
+    """Any advantage estimator, ratio gate and loss aggregator, combined without a preset's rules.
+
+    Args:
+        advantage: how good each completion is relative to its group (default: group mean / std).
+        gate: how far the importance ratio is trusted (default: none, the plain policy gradient).
+        aggregator: how token terms are averaged (default: mean over sequences of token means).
+    """
+
+    def __init__(
+        self,
+        *,
+        advantage: AdvantageEstimator | None = None,
+        gate: RatioGate | None = None,
+        aggregator: LossAggregator | None = None,
+    ) -> None:
+        self._parts = Parts(advantage or GroupNormAdvantage(), gate or NoGate(), aggregator or SequenceMean())
+
+    def parts(self, max_new_tokens: int | None = None) -> Parts:
+        return self._parts
+
+
+@dataclass(frozen=True)
+class PPOClip:
+    """PPO ratio clipping layered on a preset of the policy-gradient family (GRPO, RLOO, REINFORCE++, Dr. GRPO, MaxRL):
+    seed 000's ``use_ppo_clip`` with its ``clip_low`` / ``clip_high``, recommended with several updates per rollout.
+
+    Args:
+        clip_low: lower clip distance (ratio >= 1 - clip_low).
+        clip_high: upper clip distance (ratio <= 1 + clip_high).
+        dual_clip: dual-clip constant (> 1) for negative advantages, or None.
+    """
+
+    clip_low: float = 0.4
+    clip_high: float = 0.5
+    dual_clip: float | None = None
+
+    def gate(self) -> ClipGate:
+        return ClipGate(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip)
+
+
+def gate_for(ppo_clip: PPOClip | None) -> RatioGate:
+    """The policy-gradient family's gate: none (the plain policy gradient), or PPO clipping when asked."""
+    return NoGate() if ppo_clip is None else ppo_clip.gate()
+
+
+def check_norm(advantage_norm: str) -> Literal["group", "batch"]:
+    if advantage_norm not in ("group", "batch"):
+        raise ValueError(f"advantage_norm={advantage_norm!r} is not valid; choose 'group' or 'batch'.")
+    return advantage_norm
