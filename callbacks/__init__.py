@@ -1,5 +1,5 @@
 """gpo.callbacks: Lightning callbacks for group-based RL, usable from any LightningModule that provides what each
-callback's docstring asks for.
+callback's docstring asks for. Each is imported on first use: a project that wants one callback pays for that one.
 
 Besides Lightning's hooks, ``gpo.train.hooks.RolloutCallback`` declares two that gpo's trainer runs (and any
 LightningModule can run with ``run_prompt_hooks`` / ``run_rollout_hooks``):
@@ -9,20 +9,18 @@ LightningModule can run with ``run_prompt_hooks`` / ``run_rollout_hooks``):
   return a replacement rollout (more or fewer groups), or None to keep it.
 """
 
-from gpo.callbacks.completion_samples import CompletionSamples
-from gpo.callbacks.difficulty_filter import DifficultyFilter
-from gpo.callbacks.dynamic_sampling import DynamicSampling
-from gpo.callbacks.export_policy import ExportPolicy
-from gpo.callbacks.resume_checkpoint import ResumeCheckpoint
-from gpo.callbacks.rollout_monitor import RolloutMonitor
-from gpo.callbacks.vllm_weight_sync import VLLMWeightSync
+from gpo import lazy_exports
 
-__all__ = [
-    "CompletionSamples",
-    "DifficultyFilter",
-    "DynamicSampling",
-    "ExportPolicy",
-    "ResumeCheckpoint",
-    "RolloutMonitor",
-    "VLLMWeightSync",
-]
+_HOMES = {
+    "CompletionSamples": "gpo.callbacks.completion_samples",
+    "DifficultyFilter": "gpo.callbacks.difficulty_filter",
+    "DynamicSampling": "gpo.callbacks.dynamic_sampling",
+    "ExportPolicy": "gpo.callbacks.export_policy",
+    "ResumeCheckpoint": "gpo.callbacks.resume_checkpoint",
+    "RolloutMonitor": "gpo.callbacks.rollout_monitor",
+    "VLLMWeightSync": "gpo.callbacks.vllm_weight_sync",
+}
+
+__all__ = sorted(_HOMES)
+
+__getattr__ = lazy_exports("gpo.callbacks", _HOMES)

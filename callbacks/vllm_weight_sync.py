@@ -13,6 +13,7 @@ from typing_extensions import override
 from gpo.algo.masked import masked_mean
 from gpo.models.weights import checkpoint_weights, full_parameters
 from gpo.train.hooks import require_source
+from gpo.train.metrics import publish
 
 DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
 
@@ -42,7 +43,9 @@ class VLLMWeightSync(Callback):
     logs ``weight_sync/logprob_diff_max`` and ``weight_sync/logprob_diff_mean`` (absolute differences over the
     completion tokens) and raises RuntimeError when the maximum exceeds ``max_logprob_diff``. Float32 engine and
     trainer agree to about 1e-5; bfloat16 differs by up to about 0.3, hence the default. Also logged:
-    ``weight_sync/count`` and ``weight_sync/seconds`` (time of the latest push).
+    ``weight_sync/count`` and ``weight_sync/seconds`` (time of the push). Each sync's metrics are written to the
+    loggers when it happens (the first one, at train start, at step 0), so a row holds a verification exactly when
+    one was made.
 
     What the LightningModule must provide (gpo's ``GPOModule`` does): ``gpo.train.hooks.RolloutSource``'s ``engine``
     (a ``RolloutEngine`` with weights of its own), ``policy`` (the trained model, peft or not) and ``scorer`` (a
@@ -51,7 +54,8 @@ class VLLMWeightSync(Callback):
     Args:
         weight_sync_interval: optimiser steps between syncs (>= 1).
         verify_every_k: verify at every k-th sync (the first sync included); 0 never verifies.
-        probe_prompts: texts of the probe batch (tokenized with the module's tokenizer).
+        probe_prompts: texts of the probe batch (tokenized with the module's tokenizer). With several vLLM servers,
+            probe ``i`` goes to server ``i mod S``: give at least as many probes as servers so each one is checked.
         max_logprob_diff: largest accepted |engine - trainer| log-prob on the probe.
     """
 
@@ -75,7 +79,6 @@ class VLLMWeightSync(Callback):
         self.probe_prompts = list(probe_prompts)
         self.max_logprob_diff = max_logprob_diff
         self.syncs, self.synced_at_step = 0, 0
-        self._pending: dict[str, float] = {}
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
@@ -93,9 +96,6 @@ class VLLMWeightSync(Callback):
     ) -> None:
         if trainer.global_step - self.synced_at_step >= self.weight_sync_interval:
             self.sync(trainer, pl_module)
-        metrics, self._pending = self._pending, {}
-        if metrics:
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     # ---- the sync and its check -------------------------------------------------------------------------------
 
@@ -110,9 +110,11 @@ class VLLMWeightSync(Callback):
         if engine.serves_all_ranks:
             trainer.strategy.barrier("vllm_weight_sync")
         self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
-        self._pending = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
+        metrics = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
         if self.verify_every_k and (self.syncs - 1) % self.verify_every_k == 0:
-            self._pending.update(self.verify(pl_module))
+            metrics.update(self.verify(pl_module))
+        # Written now, at this batch's step: a verification is logged exactly where it happened, and only there.
+        publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=True, progress=())
 
     @torch.no_grad()
     def verify(self, pl_module: LightningModule) -> dict[str, float]:

@@ -1,1 +1,16 @@
-"""gpo: group-based policy optimisation for language models, on PyTorch Lightning."""
+"""gpo: group-based policy optimisation (GRPO and its family) for language models on PyTorch Lightning."""
+
+import importlib
+from collections.abc import Callable
+
+
+def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``package`` that imports each exported name from its home module on first use
+    (PEP 562), so importing the package costs nothing its user does not take."""
+
+    def __getattr__(name: str) -> object:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(homes[name]), name)
+
+    return __getattr__

@@ -28,7 +28,8 @@ def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None, e
     args = ["fit", *(f"--config={c}" for c in configs)]
     args += [f"--model.policy={policy or dense}", f"--data.path={data}", "--data.val_path=null"]
     args += ["--trainer.val_check_interval=1.0"]  # the quickstart validates every 200 steps; these runs are shorter
-    run = "-".join(Path(c).stem for c in configs)  # a folder per run: sharded checkpoints are folders, not files
+    # A folder per run: sharded checkpoints are folders, and a fresh run refuses an earlier run's checkpoint.
+    run = "-".join([*(Path(c).stem for c in configs), *(["custom"] if extra else [])])
     args += [f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root / 'runs' / run}"]
     main([*args, "--trainer.enable_progress_bar=false", *extra])
 
@@ -42,7 +43,8 @@ def test_there_is_a_config_per_preset():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_config_trains_a_few_steps_on_top_of_the_quickstart(assets, preset):
     policy = assets[2] if preset.stem == "rspo" else None
-    run_fit(assets, CONFIGS / "quickstart.yaml", preset, policy=policy)
+    teacher = (f"--model.teacher={assets[1]}",) if preset.stem == "distill" else ()  # the config's is a placeholder
+    run_fit(assets, CONFIGS / "quickstart.yaml", preset, policy=policy, extra=teacher)
 
 
 def test_quickstart_saves_its_resolved_config(assets):

@@ -1,4 +1,5 @@
-"""Loading the policy for training: full fine-tuning, LoRA, or QLoRA (4-bit base + LoRA, GPU only)."""
+"""Loading the policy for training (from a folder, a hub id or a GGUF model): full fine-tuning, LoRA, or QLoRA (4-bit
+base + LoRA, GPU only)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from gpo.models import gguf_cache
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
@@ -47,18 +50,25 @@ class LoraSettings:
 
 def check_pretrained_folder(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
     """Refuse a local ``path`` that does not exist or lacks ``kind``'s files; a hub id (``org/name``) that is not
-    a local folder is left to transformers."""
+    a local folder is left to transformers. A GGUF model (``gpo.models.gguf_cache``) is checked for its file and,
+    until it has been converted, for the ``gguf`` package; it carries both the model and its tokenizer."""
+    if gguf_cache.is_gguf_source(path):
+        if not gguf_cache.cached_folder(gguf_cache.gguf_file(path, field)).is_dir():
+            gguf_cache.require_gguf(path, field)
+        return
     folder = Path(path).expanduser()
     if not folder.exists():
         if _HUB_ID.match(path):
             return
         raise FileNotFoundError(
             f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
-            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model); relative paths start "
-            f"from the working directory."
+            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), a .gguf file, or a "
+            f"GGUF model shipped in a package (package:file.gguf); relative paths start from the working directory."
         )
     if not folder.is_dir():
-        raise FileNotFoundError(f"{field}={path!r} is a file; give the folder that holds it (save_pretrained's).")
+        raise FileNotFoundError(
+            f"{field}={path!r} is a file, not a .gguf model; give the folder that holds it (save_pretrained's)."
+        )
     if kind == "model" and not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{field}={path!r} has no config.json, so it is not a transformers model folder; point {field} at the "
@@ -69,6 +79,17 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
             f"{field}={path!r} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); save the "
             "tokenizer into that folder with tokenizer.save_pretrained(folder)."
         )
+
+
+def pretrained_path(path: str, field: str) -> str:
+    """What ``from_pretrained`` loads for ``path``: the converted folder of a GGUF model (converting it on first
+    use), else ``path`` itself (a folder or a hub id)."""
+    return str(gguf_cache.converted_folder(path, field)) if gguf_cache.is_gguf_source(path) else path
+
+
+def load_tokenizer(path: str, field: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``path`` (a folder, hub id or GGUF model); ``field`` names the config key in errors."""
+    return AutoTokenizer.from_pretrained(pretrained_path(path, field))
 
 
 def check_trainer_mode(mode: str) -> None:
@@ -85,8 +106,12 @@ def check_trainer_mode(mode: str) -> None:
             raise ValueError("model.trainer_mode='qlora' needs bitsandbytes: pip install bitsandbytes.")
 
 
-def load_policy(path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSettings | None) -> PreTrainedModel:
-    """The trainable policy: the model itself (``full``) or a peft model with a LoRA adapter."""
+def load_policy(
+    path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSettings | None, field: str = "model.policy"
+) -> PreTrainedModel:
+    """The trainable policy: the model itself (``full``) or a peft model with a LoRA adapter. ``path`` is a
+    transformers folder, a hub id, or a GGUF model (loaded from its converted folder, see ``pretrained_path``);
+    ``field`` names the setting in error messages."""
     check_trainer_mode(mode)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"model.dtype={dtype!r} is not valid; choose 'float32', 'bfloat16' or 'float16'.")
@@ -97,13 +122,14 @@ def load_policy(path: str, *, dtype: DType, mode: TrainerMode, lora: LoraSetting
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, dtype)
         )
+    source = pretrained_path(path, field)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as err:
         if Path(path).exists():
             raise
         raise FileNotFoundError(
-            f"model.policy={path!r} is not a local folder (looked for {Path(path).absolute()}) and could not be "
+            f"{field}={path!r} is not a local folder (looked for {Path(path).absolute()}) and could not be "
             f"loaded as a hub model id; point it at a folder written by save_pretrained. ({err})"
         ) from err
     return model if mode == "full" else add_lora(model, lora or LoraSettings(), quantized=mode == "qlora")

@@ -1,7 +1,17 @@
-"""Rollout engines: prompts in, grouped completions (token ids, masks, log-probs) out."""
+"""Rollout engines: prompts in, grouped completions (token ids, masks, log-probs) out; and the Collector that scores
+them. Names are imported on first use, so ``gpo.rollout.base`` (what callbacks need) does not pull in the engines."""
 
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling
-from gpo.rollout.hf import HFEngine
-from gpo.rollout.multi_turn import MultiTurnEngine
+from gpo import lazy_exports
 
-__all__ = ["HFEngine", "MultiTurnEngine", "Rollout", "RolloutEngine", "Sampling"]
+_HOMES = {
+    "Collector": "gpo.rollout.collector",
+    "HFEngine": "gpo.rollout.hf",
+    "MultiTurnEngine": "gpo.rollout.multi_turn",
+    "Rollout": "gpo.rollout.base",
+    "RolloutEngine": "gpo.rollout.base",
+    "Sampling": "gpo.rollout.base",
+}
+
+__all__ = sorted(_HOMES)
+
+__getattr__ = lazy_exports("gpo.rollout", _HOMES)

@@ -207,12 +207,15 @@ class RolloutEngine(ABC):
         greedy: bool = False,
         seed: int | None = None,
         logprobs: bool = True,
+        sampling: Sampling | None = None,
     ) -> Rollout:
         """Sample ``n`` completions of each prompt (token ids, no padding); rows of prompt ``i`` get group ``i``.
 
         Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, when ``logprobs`` is asked for and
         the engine has them, the sampled tokens' ``logp`` at the sampling temperature. Texts and dataset fields
         are the caller's to add; an engine may add fields of its own (a multi-turn engine's episode records).
+        ``sampling`` replaces the engine's own settings for this call (held-out evaluation samples at its own
+        temperature and top-p).
         """
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo.mixers import RewardMixer, WeightedSum
 from gpo.rewards.runner import RewardErrors, RewardFn, score
-from gpo.rollout.base import Rollout, RolloutEngine
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.seeds import run_seed, stream_seed
 
 
@@ -93,11 +93,14 @@ class Collector:
 
     def sample(
         self, batch: dict[str, Any], *, seed: int | None, greedy: bool = False, n: int | None = None,
-        logprobs: bool = False,
+        logprobs: bool = False, sampling: Sampling | None = None,
     ) -> Rollout:  # fmt: skip
-        """``n`` completions (default ``group_size``) per prompt of ``batch``, with texts and dataset fields."""
+        """``n`` completions (default ``group_size``) per prompt of ``batch``, with texts and dataset fields;
+        ``sampling`` replaces the engine's settings for this call."""
         n = n or self.group_size
-        generated = self.engine.generate(batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs)
+        generated = self.engine.generate(
+            batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs, sampling=sampling
+        )
         rollout = generated.to(self.device)
         rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -61,14 +61,7 @@ class HFEngine(RolloutEngine):
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.policy, self.tokenizer = policy, tokenizer
         self.scorer = TokenScorer(policy, temperature=self.sampling.temperature)
-        # Built once: given no generation config, every generate call rebuilds and re-validates one (~2 ms each).
-        s = self.sampling
-        common = {"max_new_tokens": s.max_new_tokens, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id}
-        sampled = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
-        self.generation_configs = {
-            greedy: _generation_config(policy, **common, **({"do_sample": False} if greedy else sampled))
-            for greedy in (False, True)
-        }
+        self.generation_configs: dict[tuple[Sampling, bool], GenerationConfig] = {}
 
     @property
     def eos_id(self) -> int:
@@ -87,9 +80,11 @@ class HFEngine(RolloutEngine):
         greedy: bool = False,
         seed: int | None = None,
         logprobs: bool = True,
+        sampling: Sampling | None = None,
     ) -> Rollout:
         if self.policy is None:
             raise RuntimeError("HFEngine.generate called before setup(policy, tokenizer).")
+        sampling = sampling or self.sampling
         device = self.policy.device
         ids, mask = left_pad(prompt_ids, self.pad_id)
         ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)  # [B, P]
@@ -99,27 +94,34 @@ class HFEngine(RolloutEngine):
         with rng or contextlib.nullcontext(), training_mode(self.policy, False):
             if seed is not None:
                 seed_generator(seed, device)
-            chunks = [self._sample(ids[i : i + step], mask[i : i + step], greedy) for i in range(0, len(ids), step)]
+            config = self._generation_config(sampling, greedy)
+            chunks = [self._sample(ids[i : i + step], mask[i : i + step], config) for i in range(0, len(ids), step)]
         completion = _right_pad([c for c in chunks], self.pad_id)  # [B, T]
         completion_mask_, truncated = completion_mask(completion, self.eos_id)
         completion = completion.masked_fill(completion_mask_ == 0, self.pad_id)
         rollout = Rollout(ids, mask, completion, completion_mask_, truncated, group)
         if logprobs:
-            rollout.logp = self.scorer.policy_logp(rollout).masked_fill(completion_mask_ == 0, 0.0)
+            scorer = self.scorer
+            if sampling.temperature != self.sampling.temperature:
+                scorer = TokenScorer(self.policy, temperature=sampling.temperature)
+            rollout.logp = scorer.policy_logp(rollout).masked_fill(completion_mask_ == 0, 0.0)
         return rollout
 
-    def _sample(self, ids: Tensor, mask: Tensor, greedy: bool) -> Tensor:
-        out = self.policy.generate(
-            input_ids=ids, attention_mask=mask, generation_config=self.generation_configs[greedy]
-        )
-        return out[:, ids.shape[1] :]
+    def _generation_config(self, sampling: Sampling, greedy: bool) -> GenerationConfig:
+        """The policy's own generation config (its checkpoint's defaults) with ``sampling`` over it, built once per
+        setting: given none, every ``generate`` call rebuilds and re-validates one (about 2 ms each)."""
+        key = (sampling, greedy)
+        if key not in self.generation_configs:
+            s, base = sampling, self.policy.generation_config
+            config = copy.deepcopy(base) if base is not None else GenerationConfig()
+            config.update(max_new_tokens=s.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id)
+            sampled = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+            config.update(**({"do_sample": False} if greedy else sampled))
+            self.generation_configs[key] = config
+        return self.generation_configs[key]
 
-
-def _generation_config(policy: PreTrainedModel, **settings) -> GenerationConfig:
-    """The policy's own generation config (its checkpoint's defaults) with ``settings`` over it."""
-    config = copy.deepcopy(policy.generation_config) if policy.generation_config is not None else GenerationConfig()
-    config.update(**settings)
-    return config
+    def _sample(self, ids: Tensor, mask: Tensor, config: GenerationConfig) -> Tensor:
+        return self.policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
 
 
 def seed_generator(seed: int, device: torch.device) -> None:

@@ -117,14 +117,26 @@ class MultiTurnEngine(RolloutEngine):
         greedy: bool = False,
         seed: int | None = None,
         logprobs: bool = True,
+        sampling: Sampling | None = None,
     ) -> Rollout:
         if self.tokenizer is None:
             raise RuntimeError("MultiTurnEngine.generate called before setup(policy, tokenizer).")
         episodes = [Episode(prompt=list(p)) for p in prompt_ids for _ in range(n)]
-        asyncio.run(self._play(episodes, n, greedy=greedy, seed=seed, logprobs=logprobs))
+        # ``sampling`` is an episode's (as ``self.sampling``): each turn keeps the wrapped engine's budget
+        turn = None if sampling is None else replace(sampling, max_new_tokens=self.engine.sampling.max_new_tokens)
+        asyncio.run(self._play(episodes, n, greedy=greedy, seed=seed, logprobs=logprobs, sampling=turn))
         return self._rollout(prompt_ids, n, episodes, logprobs)
 
-    async def _play(self, episodes: list[Episode], n: int, *, greedy: bool, seed: int | None, logprobs: bool) -> None:
+    async def _play(
+        self,
+        episodes: list[Episode],
+        n: int,
+        *,
+        greedy: bool,
+        seed: int | None,
+        logprobs: bool,
+        sampling: Sampling | None,
+    ) -> None:
         """Open every episode, alternate policy and environment turns, and close them all, also on error."""
         limit = asyncio.Semaphore(self.max_concurrent_rollouts or len(episodes))
 
@@ -146,7 +158,8 @@ class MultiTurnEngine(RolloutEngine):
                     active = [e for e in episodes if not e.done]
                     if not active:
                         break
-                    actions = self._policy_turn(active, turn, greedy=greedy, seed=turn_seed, logprobs=logprobs)
+                    actions = self._policy_turn(active, turn, greedy=greedy, seed=turn_seed, logprobs=logprobs,
+                                                sampling=sampling)  # fmt: skip
                     calls = [
                         bounded(self.episodes.step(e.handle, a, turn)) for e, a in zip(active, actions, strict=True)
                     ]
@@ -160,9 +173,11 @@ class MultiTurnEngine(RolloutEngine):
                 if failed:
                     log.warning("%d of %d episodes failed to close; the first: %s", len(failed), len(opened), failed[0])
 
-    def _policy_turn(self, active: list[Episode], turn: int, *, greedy: bool, seed: int | None, logprobs: bool):
+    def _policy_turn(self, active: list[Episode], turn: int, *, greedy: bool, seed: int | None, logprobs: bool,
+                     sampling: Sampling | None):  # fmt: skip
         """Sample one turn of every active episode; append its tokens; return the decoded actions."""
-        sampled = self.engine.generate([e.context for e in active], 1, greedy=greedy, seed=seed, logprobs=logprobs)
+        contexts = [e.context for e in active]
+        sampled = self.engine.generate(contexts, 1, greedy=greedy, seed=seed, logprobs=logprobs, sampling=sampling)
         actions = []
         for row, episode in enumerate(active):
             real = sampled.completion_mask[row].bool()

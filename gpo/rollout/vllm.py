@@ -172,12 +172,13 @@ class VLLMEngine(RolloutEngine):
         greedy: bool = False,
         seed: int | None = None,
         logprobs: bool = True,
+        sampling: Sampling | None = None,
     ) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = self._require_llm()
-        s = self.sampling
+        s = sampling or self.sampling
         params = [
             SamplingParams(
                 n=1 if greedy else n,  # vLLM refuses n > 1 with greedy decoding: the samples are copied below

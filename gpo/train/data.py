@@ -1,4 +1,5 @@
-"""Prompt datasets from local files and the Lightning DataModule that serves them in batches of prompts."""
+"""Prompt datasets from local files or generated from a seed, and the Lightning DataModule that serves them in
+batches of prompts."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any, Literal
 import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from gpo.models.loading import check_pretrained_folder
+from gpo.models.loading import check_pretrained_folder, load_tokenizer
 from gpo.parallel import collectives
+from gpo.tasks import GeneratedTask
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,13 @@ class PromptDataModule(LightningDataModule):
     """Prompts for RL: each row's prompt is tokenised once; its other columns go to the reward functions.
 
     Args:
-        path: training prompts (JSONL/JSON/Parquet/CSV file or a saved ``datasets`` folder).
-        val_path: held-out prompts for evaluation; None splits off ``val_size`` rows of ``path`` instead.
+        path: training prompts: a JSONL/JSON/Parquet/CSV file, a saved ``datasets`` folder, or a task generated
+            from a seed (``{class_path: gpo.tasks.Arithmetic, init_args: {size: 2000}}``).
+        val_path: held-out prompts for evaluation, in any form ``path`` takes (e.g. the task's ``split: test``);
+            None splits off ``val_size`` rows of ``path`` instead.
         val_size: rows of ``path`` held out for evaluation when ``val_path`` is None (0: no evaluation set).
-        tokenizer: tokenizer folder; normally linked to the policy's path.
+        tokenizer: tokenizer folder (or GGUF model, see ``gpo.models.loading.pretrained_path``); normally linked to
+            the policy's path.
         prompt_column: the column holding the prompt text.
         prompts_per_step: prompts per training step over all processes (each gets ``group_size`` completions);
             under DDP each of the ``W`` processes samples ``prompts_per_step / W`` of them.
@@ -83,9 +88,9 @@ class PromptDataModule(LightningDataModule):
 
     def __init__(
         self,
-        path: str,
+        path: GeneratedTask | str | Path,
         *,
-        val_path: str | None = None,
+        val_path: GeneratedTask | str | Path | None = None,
         val_size: int = 0,
         tokenizer: str | None = None,
         prompt_column: str = "prompt",
@@ -125,7 +130,7 @@ class PromptDataModule(LightningDataModule):
         if self.tokenizer_path is None:
             raise ValueError("PromptDataModule needs tokenizer= (the policy's folder; `gpo fit` links it).")
         check_pretrained_folder(self.tokenizer_path, "data.tokenizer", "tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        tokenizer = load_tokenizer(self.tokenizer_path, "data.tokenizer")
         rows = self._prepare(tokenizer, "path")
         if self.val_path is not None:
             self.train_rows, self.val_rows = rows, self._prepare(tokenizer, "val_path")
@@ -140,13 +145,16 @@ class PromptDataModule(LightningDataModule):
             self.val_rows = [rows[i] for i in order[cut:]]
 
     def _prepare(self, tokenizer: PreTrainedTokenizerBase, name: str) -> list[dict]:
-        """The rows of the file in argument ``name`` (``path`` or ``val_path``), tokenised and checked."""
+        """The rows of the file or task in argument ``name`` (``path`` or ``val_path``), tokenised and checked."""
         path = getattr(self, name)
-        source = f"data.{name}={str(path)!r}"
+        generated = isinstance(path, GeneratedTask)
+        source = f"data.{name}={path!r}" if generated else f"data.{name}={str(path)!r}"
         try:
-            records = load_records(path)
+            records = path.records() if generated else load_records(path)
         except FileNotFoundError as err:
             raise FileNotFoundError(f"data.{name}: {err}") from err
+        except ValueError as err:
+            raise ValueError(f"data.{name}: {err}") from err
         if not records:
             raise ValueError(f"{source} has no rows; point data.{name} at a file with at least one prompt.")
         if self.prompt_column not in records[0]:

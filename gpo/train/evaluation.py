@@ -4,31 +4,43 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from gpo.rollout.base import Rollout, Sampling
 from gpo.rollout.collector import Collector
+from gpo.seeds import stream_seed
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often).
+    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often) and,
+    with ``final``, once more on the final policy when training ends.
 
-    Each prompt gets one greedy completion and ``samples`` sampled ones, with a fixed seed so evaluations are
-    comparable across the run. Logged: ``val/reward_greedy``, ``val/pass@1_greedy``, ``val/reward_sampled``,
-    ``val/pass@1_sampled``; a completion passes when its reward is at least ``pass_threshold``.
+    Each prompt gets one greedy completion and, for each of ``seeds``, ``samples`` (k) sampled ones at the
+    evaluation's own temperature and top-p, so evaluations are comparable across the run. A completion passes when
+    its reward is at least ``pass_threshold``. Logged: ``val/reward_greedy``, ``val/pass@1_greedy``,
+    ``val/reward_sampled`` and ``val/pass@1_sampled`` (means over the sampled completions), ``val/pass@k`` (the
+    fraction of prompts with at least one passing sample among its k), each averaged over the seeds.
 
     Args:
-        samples: sampled completions per prompt.
+        samples: sampled completions per prompt and seed (the k of pass@k).
+        temperature: sampling temperature of the evaluation; None: the rollout engine's.
+        top_p: nucleus mass of the evaluation; None: the rollout engine's.
         pass_threshold: reward at or above which a completion counts as solved.
-        seed: sampling seed of every evaluation.
+        seeds: sampling seeds; the sampled metrics are their mean (seed 004's ``evaluation.seeds``).
+        final: evaluate the final policy when training ends (unless the last validation was at that step).
     """
 
     samples: int = 4
+    temperature: float | None = None
+    top_p: float | None = None
     pass_threshold: float = 1.0
-    seed: int = 1234
+    seeds: tuple[int, ...] = (1234,)
+    final: bool = True
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -37,16 +49,37 @@ class Evaluation:
             )
         if not math.isfinite(self.pass_threshold):
             raise ValueError(f"model.evaluation.pass_threshold={self.pass_threshold} must be a finite number.")
+        if not self.seeds:
+            raise ValueError("model.evaluation.seeds is empty; give at least one seed (e.g. [1234]).")
+        Sampling(temperature=self.temperature or 1.0, top_p=self.top_p or 1.0)  # the same bounds as the engines'
+
+    def sampling(self, engine: Sampling) -> Sampling:
+        """The engine's sampling with this evaluation's temperature and top-p where they are set."""
+        changes = {"temperature": self.temperature, "top_p": self.top_p}
+        return replace(engine, **{k: v for k, v in changes.items() if v is not None})
 
 
 def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settings: Evaluation) -> dict[str, Tensor]:
-    """``val/reward_{kind}`` and ``val/pass@1_{kind}`` (means over the batch's completions) and
-    ``val/reward_errors_{kind}/<name>`` (counts) for the ``greedy`` and ``sampled`` completions of ``batch``."""
-    metrics = {}
-    for kind, n, greedy in (("greedy", 1, True), ("sampled", settings.samples, False)):
-        errors = Counter()
-        rollout = collector.score(collector.sample(batch, seed=settings.seed + batch_idx, greedy=greedy, n=n), errors)
-        metrics[f"val/reward_{kind}"] = rollout.reward.mean()
-        metrics[f"val/pass@1_{kind}"] = (rollout.reward >= settings.pass_threshold).float().mean()
-        metrics |= {f"val/reward_errors_{kind}/{name}": rollout.reward.new_tensor(c) for name, c in errors.items()}
-    return metrics
+    """The evaluation metrics of ``batch`` (see ``Evaluation``) and ``val/reward_errors_{kind}/<name>`` (counts of
+    samples scored as ``reward_errors.value``)."""
+    errors, sampled = Counter(), []
+    greedy = collector.score(collector.sample(batch, seed=None, greedy=True, n=1), errors)
+    metrics = {"val/reward_greedy": greedy.reward.mean(), "val/pass@1_greedy": _passed(greedy, settings).mean()}
+    metrics |= {f"val/reward_errors_greedy/{name}": greedy.reward.new_tensor(c) for name, c in errors.items()}
+    errors, sampling = Counter(), settings.sampling(collector.engine.sampling)
+    for seed in settings.seeds:
+        rollout = collector.sample(
+            batch, seed=stream_seed("eval", seed, batch_idx), n=settings.samples, sampling=sampling
+        )
+        rollout = collector.score(rollout, errors)
+        passed = _passed(rollout, settings)  # [B]
+        _, prompt = torch.unique(rollout.group, return_inverse=True)  # [B]
+        any_passed = torch.zeros(int(prompt.max()) + 1, device=passed.device).index_reduce(0, prompt, passed, "amax")
+        sampled.append(torch.stack([rollout.reward.mean(), passed.mean(), any_passed.mean()]))  # [3]
+    reward, pass1, passk = torch.stack(sampled).mean(0)  # over the seeds
+    metrics |= {"val/reward_sampled": reward, "val/pass@1_sampled": pass1, f"val/pass@{settings.samples}": passk}
+    return metrics | {f"val/reward_errors_sampled/{name}": reward.new_tensor(c) for name, c in errors.items()}
+
+
+def _passed(rollout: Rollout, settings: Evaluation) -> Tensor:
+    return (rollout.reward >= settings.pass_threshold).float()  # [B]

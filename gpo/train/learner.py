@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from lightning import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
 from gpo.algo.objective import PolicyObjective
 from gpo.models.scorer import TokenScorer
+from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
 from gpo.rollout.base import Rollout
 from gpo.train.nonfinite import NonfiniteGuard
 from gpo.train.optimization import Optimization
 
+log = logging.getLogger(__name__)
+
 OldLogprobs = Literal["rollout", "trainer"]
-#: Gate inputs the learner computes: ``old_*`` once per step over the rollout, the rest in each gradient pass.
-SUPPLIED_GATE_INPUTS = frozenset({"router_logp", "old_router_logp", "topk_logp", "old_topk_logp"})
+EMPTY_LOSS_WARNING = 5  # steps in a row without a token in the loss before the warning
+#: Objective inputs the learner computes: ``old_*``, ``ref_logp``, ``rollout_logp`` (the engine's), ``train_logp``
+#: (the trainer's before the first update) and ``teacher_logp`` once per step over the rollout; ``router_logp`` and
+#: ``topk_logp`` in each gradient pass.
+SUPPLIED_INPUTS = frozenset(
+    {"router_logp", "old_router_logp", "topk_logp", "old_topk_logp", "ref_logp", "rollout_logp", "train_logp",
+     "teacher_logp"}
+)  # fmt: skip
 
 
 @dataclass
@@ -36,6 +48,19 @@ class Backend:
     sharded: bool  # FSDP2: every rank must run the same number of forward passes
     device: torch.device
     step: int  # the optimiser step count, for messages
+
+
+def lightning_backend(module: LightningModule) -> Backend:
+    """The ``Backend`` of a LightningModule under manual optimisation: its optimiser and scheduler,
+    ``manual_backward``, and DDP's ``no_sync`` for all but the last micro-batch (gradients are all-reduced in the
+    last micro-batch's backward only; the others accumulate locally, so ranks may run different numbers of them)."""
+    strategy = module.trainer.strategy
+
+    def gradient_sync(last: bool) -> AbstractContextManager:
+        return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) and not last else nullcontext()
+
+    return Backend(module.optimizers(), module.lr_schedulers(), module.manual_backward, gradient_sync,
+                   fsdp.is_sharded(strategy), module.device, module.trainer.global_step)  # fmt: skip
 
 
 class Learner:
@@ -58,6 +83,7 @@ class Learner:
         kl: the KL penalty, whose ``reward`` placement is applied here to the rollout's reward.
         sampler_shares_weights: the engine samples from the trained module itself, so its log-probs equal the
             trainer's and there is no mismatch to measure.
+        teacher: scores the sampled tokens for on-policy distillation (when the objective reads ``teacher_logp``).
     """
 
     def __init__(
@@ -70,14 +96,17 @@ class Learner:
         correction: RolloutCorrection | None = None,
         kl: KLPenalty | None = None,
         sampler_shares_weights: bool = True,
+        teacher: Teacher | None = None,
     ) -> None:
-        unsupported = objective.requires - SUPPLIED_GATE_INPUTS - {"ref_logp"}
+        unsupported = objective.requires - SUPPLIED_INPUTS
         if unsupported:
             raise ValueError(
-                f"{type(objective.gate).__name__} needs {sorted(unsupported)}, which the trainer does not compute "
-                f"(it supplies {sorted(SUPPLIED_GATE_INPUTS)} and ref_logp)."
+                f"the objective's parts need {sorted(unsupported)}, which the trainer does not compute (it supplies "
+                f"{sorted(SUPPLIED_INPUTS)})."
             )
-        self.scorer, self.objective, self.optim = scorer, objective, optim
+        if "teacher_logp" in objective.requires and teacher is None:
+            raise ValueError("the objective distils from a teacher (teacher_logp), but no teacher was given.")
+        self.scorer, self.objective, self.optim, self.teacher = scorer, objective, optim, teacher
         self.old_logprobs, self.correction, self.sampler_shares_weights = (
             old_logprobs,
             correction,
@@ -85,11 +114,31 @@ class Learner:
         )
         self.reward_kl = kl if kl is not None and kl.beta > 0 and kl.placement == "reward" else None
         self.nonfinite = NonfiniteGuard(optim.max_consecutive_nonfinite)
+        self.empty_streak = 0
+
+    def has_loss_tokens(self, mask: Tensor, step: int) -> bool:
+        """Whether any rank's ``mask[B, T]`` keeps a token in the loss (one all-reduce). A step without is not trained
+        (no optimiser step on an empty loss); ``EMPTY_LOSS_WARNING`` such steps in a row are warned about."""
+        if float(collectives.reduce_over_ranks(mask.sum(), "sum")) > 0:
+            self.empty_streak = 0
+            return True
+        self.empty_streak += 1
+        if self.empty_streak == EMPTY_LOSS_WARNING:
+            dropping = ", ".join(type(w).__name__ for w in self.objective.dropping) or "none"
+            log.warning(
+                "optimiser step %d: no token was left in the loss for %d steps in a row, so nothing trained (token "
+                "weights that drop completions: %s; OverlongFilter drops every completion that reaches max_new_tokens "
+                "without EOS). Raise model.engine.init_args.sampling.max_new_tokens, or remove the dropping weight "
+                "from model.token_weights.", step, self.empty_streak, dropping,
+            )  # fmt: skip
+        return False
 
     @property
     def wants_rollout_logprobs(self) -> bool:
         """Whether the engine should return its log-probs (the learner reads them)."""
-        return self.old_logprobs == "rollout" or self.correction is not None
+        return (
+            self.old_logprobs == "rollout" or self.correction is not None or "rollout_logp" in self.objective.requires
+        )
 
     def add_kl_penalty(self, rollout: Rollout) -> Rollout:
         """The rollout with ``-beta * sum_t KL_t`` added to its reward, when the KL penalty sits in the reward."""
@@ -102,6 +151,7 @@ class Learner:
         """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics as
         0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied)."""
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
+        mask, mask_metrics = self.objective.step_mask(mask, adv, **inputs)  # before any normaliser is taken
         adv = self.objective.weigh(adv, mask, **inputs)
         zero = torch.zeros((), device=backend.device)
         sums: dict[str, Tensor] = defaultdict(lambda: zero)
@@ -116,14 +166,23 @@ class Learner:
             out[per_update] = sums[per_update] / updates if updates else zero + math.nan
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
-        return {**out, **{key: value.detach().float() for key, value in fixed_metrics.items()}}
+        if self.objective.adapts and "entropy" in out:  # the adaptive coefficient follows the mean over every rank
+            entropy = collectives.reduce_over_ranks(out["entropy"], "sum") / collectives.world_size()
+            steered = self.objective.end_step({"entropy": entropy})
+            out |= {key: zero + value for key, value in steered.items()}
+        fixed = {**fixed_metrics, **mask_metrics}
+        return {**out, **{key: value.detach().float() for key, value in fixed.items()}}
 
     def step_inputs(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Everything the updates of this step need that does not change while the policy moves, and its metrics."""
         single_update = self.optim.ppo_epochs == 1 and self.optim.number_of_minibatches == 1
         use_rollout = self.old_logprobs == "rollout" and rollout.logp is not None
         separate_sampler = rollout.logp is not None and not self.sampler_shares_weights  # a mismatch to log
-        need_train_old = self.correction is not None or separate_sampler or not (use_rollout or single_update)
+        requires = self.objective.requires
+        need_train_old = (
+            self.correction is not None or separate_sampler or not (use_rollout or single_update)
+            or "train_logp" in requires
+        )  # fmt: skip
         train_old = self.scorer.policy_logp(rollout) if need_train_old else None
         inputs, metrics = {}, {}
         old = rollout.logp if use_rollout else train_old
@@ -133,9 +192,17 @@ class Learner:
             metrics = mismatch_metrics(train_old, rollout.logp, mask)
             if self.correction is not None:
                 inputs["weight"], metrics = self.correction(train_old, rollout.logp, mask)
-        if "ref_logp" in self.objective.requires:
+        if "ref_logp" in requires:
             inputs["ref_logp"] = self.scorer.reference_logp(rollout)
-        requires, topk = self.objective.requires, self.objective.gate.topk_tokens
+        if "teacher_logp" in requires:
+            inputs["teacher_logp"] = self.teacher.logp(rollout)
+        if "train_logp" in requires:
+            inputs["train_logp"] = train_old
+        if "rollout_logp" in requires:
+            if rollout.logp is None:
+                raise ValueError("a token mask needs the engine's log-probs (rollout_logp), but the rollout has none.")
+            inputs["rollout_logp"] = rollout.logp
+        topk = self.objective.gate.topk_tokens
         if "old_router_logp" in requires or "old_topk_logp" in requires:
             old = self.scorer.rollout_scores(rollout, router="old_router_logp" in requires, topk=topk)
             inputs |= {"old_router_logp": old.router_logp, "old_topk_logp": old.topk_logp, "topk_ids": old.topk_ids}

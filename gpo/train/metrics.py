@@ -12,13 +12,23 @@ from gpo.rewards.runner import RewardFn, reward_name
 from gpo.rollout.base import Rollout
 
 
-def step_metrics(step: dict[str, Tensor], adv: Tensor, rewards: Sequence[RewardFn]) -> dict[str, Tensor]:
+def step_metrics(
+    step: dict[str, Tensor], adv: Tensor, rewards: Sequence[RewardFn], weights: Sequence[float] | None
+) -> dict[str, Tensor]:
     """Statistics of the step's rows over every rank (``step`` and ``adv`` as from ``collectives.gather_step``), as
-    0-d tensors on the step's device."""
-    lengths, reward, scores, mask = step["lengths"].float(), step["reward"], step["scores"], step["mask"]
+    0-d tensors on the step's device.
+
+    ``reward/mean`` and ``reward/std`` are those of the reward functions' weighted sum (``weights``: the mixer's,
+    None: all 1), whatever the mixer: a mixer that normalises within groups (GDPO) averages 0 by construction.
+    ``reward/mixed_mean`` is the mean of what the advantages were computed from (the mixer's output, plus a KL
+    penalty placed in the reward)."""
+    lengths, scores, mask = step["lengths"].float(), step["scores"], step["mask"]
+    w = scores.new_tensor(list(weights)) if weights is not None else scores.new_ones(scores.shape[1])  # [K]
+    reward = scores @ w  # [B]
     metrics = {
         "reward/mean": reward.mean(),
         "reward/std": reward.std() if len(reward) > 1 else reward.new_zeros(()),
+        "reward/mixed_mean": step["reward"].mean(),
         "completion/len_mean": lengths.mean(),
         "completion/len_max": lengths.max(),
         "completion/truncated_frac": step["truncated"].mean(),
@@ -73,7 +83,7 @@ def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress
     keys = list(metrics)
     values = torch.stack([metrics[key].detach().float() for key in keys]).tolist()  # one device-to-host copy
     row = dict(zip(keys, values, strict=True))
-    step = trainer.fit_loop.epoch_loop.total_batch_idx
+    step = max(trainer.fit_loop.epoch_loop.total_batch_idx, 0)  # -1 before the first batch (at train start)
     for logger in trainer.loggers:
         logger.log_metrics(row, step=step)
         logger.save()

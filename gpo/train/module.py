@@ -5,23 +5,24 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
 from lightning import LightningModule
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo import EntropyBonus, KLPenalty, RewardMixer, RolloutCorrection
+from gpo.algo.distillation import TeacherKL
+from gpo.algo.masks import TokenMask
 from gpo.algo.objective import PolicyObjective
 from gpo.algo.presets import Algorithm, preset
 from gpo.algo.turns import StepRewards
 from gpo.algo.weighting import TokenWeight
-from gpo.models.loading import DType, LoraSettings, TrainerMode, is_peft, load_policy, unwrap
+from gpo.models.loading import DType, LoraSettings, TrainerMode, is_peft, load_policy, load_tokenizer, unwrap
 from gpo.models.scorer import TokenScorer
+from gpo.models.teacher import LocalTeacher, Teacher
 from gpo.parallel import collectives, fsdp
 from gpo.rewards.runner import RewardErrors, RewardFn
 from gpo.rollout.base import Rollout, RolloutEngine
@@ -31,7 +32,7 @@ from gpo.train.checkpointing import AtomicCheckpointIO
 from gpo.train.data import PromptDraws
 from gpo.train.evaluation import Evaluation, evaluate
 from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
-from gpo.train.learner import Backend, Learner, OldLogprobs
+from gpo.train.learner import Learner, OldLogprobs, lightning_backend
 from gpo.train.metrics import count_metrics, log_due, publish, step_metrics, throughput
 from gpo.train.optimization import Optimization
 from gpo.train.run_state import check_same_run, describe_run, restore_random_state, restored_run_state, run_state
@@ -51,7 +52,7 @@ class GPOModule(RolloutSource, LightningModule):
         engine: the rollout engine, e.g. ``gpo.rollout.HFEngine`` (transformers ``generate``; ``gpo fit``'s default).
         algorithm: a preset by class with its settings (``GRPO``, ``DAPO``, ... in ``gpo.algo``; ``Custom`` for any
             three parts), or by seed 000's lowercase name for its defaults: grpo, rloo, reinforce_pp, dr_grpo, dapo,
-            cispo, gspo, sapo, gmpo, rspo.
+            cispo, gspo, sapo, gmpo, rspo, vespo.
         group_size: completions per prompt (>= 2).
         mixer: combines several rewards into one; default: their sum.
         optim: learning rate, minibatches, epochs, micro-batching, gradient clipping.
@@ -62,6 +63,11 @@ class GPOModule(RolloutSource, LightningModule):
         entropy: entropy bonus.
         token_weights: per-token weights of the objective: ``OverlongFilter`` (DAPO's overlong filtering),
             ``ReferenceProbWeight``.
+        masks: tokens left out of the surrogate: ``OffPolicySequenceMask`` (DeepSeek-V3.2), ``SecondMomentMask``
+            (M2PO), ``MismatchBandMask`` (IcePop), ``HighEntropyMask`` (80/20).
+        distill: on-policy distillation towards ``teacher`` (``TeacherKL``: the per-token reverse KL as advantage).
+        teacher: the teacher ``distill`` reads: a ``gpo.models.Teacher``, or the folder of a local one
+            (``LocalTeacher``, loaded frozen in ``dtype``). It must share the policy's tokenizer.
         step_rewards: per-turn advantages from the step rewards of multi-turn episodes (``MultiTurnEngine``).
         correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights.
         trainer_mode: ``full`` fine-tuning, ``lora`` adapter, or ``qlora`` (4-bit base, needs a GPU).
@@ -90,6 +96,9 @@ class GPOModule(RolloutSource, LightningModule):
         kl: KLPenalty | None = None,
         entropy: EntropyBonus | None = None,
         token_weights: Sequence[TokenWeight] = (),
+        masks: Sequence[TokenMask] = (),
+        distill: TeacherKL | None = None,
+        teacher: str | Teacher | None = None,
         step_rewards: StepRewards | None = None,
         correction: RolloutCorrection | None = None,
         trainer_mode: TrainerMode = "full",
@@ -105,23 +114,28 @@ class GPOModule(RolloutSource, LightningModule):
         preflight.check_module_arguments(policy, rewards, group_size, mixer, tokenizer)
         old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
         parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
-        objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights)
+        preflight.check_distillation(distill, teacher)
+        objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
+                                    masks=masks, distill=distill)  # fmt: skip
         self.advantage, self.step_rewards = parts.advantage, step_rewards
         self.engine, self.optim = engine, optim or Optimization()
         self.evaluation = evaluation or Evaluation()
         loaded = isinstance(policy, torch.nn.Module)
         self.policy = policy if loaded else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora)
         tokenizer = tokenizer if tokenizer is not None else None if loaded else policy
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        field = "model.policy" if tokenizer is policy else "model.tokenizer"
+        self.tokenizer = load_tokenizer(tokenizer, field) if isinstance(tokenizer, str) else tokenizer
         # The frozen reference lives in the scorer, out of the module's children: no optimiser, checkpoint or
         # summary sees it. A LoRA run has none: its reference is the adapter switched off.
         needs_reference = "ref_logp" in objective.requires or (kl is not None and kl.beta > 0)
         reference = None
         if needs_reference and not is_peft(self.policy):
             reference = copy.deepcopy(unwrap(self.policy)).requires_grad_(False).eval()
+        self.teacher = LocalTeacher(teacher, dtype=dtype) if isinstance(teacher, str) else teacher
         self.scorer = TokenScorer(self.policy, temperature=engine.sampling.temperature, reference=reference)
         self.learner = Learner(self.scorer, objective, self.optim, old_logprobs=old_logprobs, correction=correction,
-                               kl=kl, sampler_shares_weights=engine.shares_policy_weights)  # fmt: skip
+                               kl=kl, sampler_shares_weights=engine.shares_policy_weights,
+                               teacher=self.teacher)  # fmt: skip
         self.collector = Collector(engine, rewards, mixer=mixer, group_size=group_size, reward_errors=reward_errors,
                                    seed=seed, logprobs=self.learner.wants_rollout_logprobs)  # fmt: skip
         self._restored: dict[str, Any] = {}
@@ -137,20 +151,27 @@ class GPOModule(RolloutSource, LightningModule):
         preflight.check_run(self, self._trainer)
         self.collector.rank = collectives.rank()
         self.collector.setup(self.model, self.tokenizer)
+        if self.teacher is not None:
+            self.teacher.setup(self.tokenizer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_model(self) -> None:
-        # FSDP2: the policy's blocks and the frozen reference's are sharded alike; other strategies change nothing.
+        # FSDP2: the policy's blocks and the frozen models' are sharded alike; other strategies change nothing.
         if fsdp.is_sharded(self.trainer.strategy):
             self.trainer.strategy.shard(self.model)
-            if self.scorer.reference is not None:
-                self.trainer.strategy.shard(self.scorer.reference, trainable=False)
+            for frozen in self._frozen_models():
+                self.trainer.strategy.shard(frozen, trainable=False)
 
     def on_fit_start(self) -> None:
         self.collector.device = self.device
-        if self.scorer.reference is not None:
-            self.scorer.reference.to(self.device)
+        for frozen in self._frozen_models():
+            frozen.to(self.device)
+
+    def _frozen_models(self) -> list[PreTrainedModel]:
+        """The frozen reference and teacher, where the run has them (held by the scorer, out of the children)."""
+        teacher = self.teacher.model if self.teacher is not None else None
+        return [model for model in (self.scorer.reference, teacher) if model is not None]
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -161,12 +182,14 @@ class GPOModule(RolloutSource, LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
-        checkpoint["gpo"] = {**run_state(drawn, self.learner.nonfinite.streak), "run": describe_run(self)}
+        checkpoint["gpo"] = {**run_state(drawn, self.learner.nonfinite.streak), "run": describe_run(self),
+                             "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("gpo", {})
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
+        self.learner.objective.load_state_dict(state.get("objective", {}))
 
     def on_train_start(self) -> None:
         drawn = self._restored.get("extra_batches_drawn", 0)
@@ -180,23 +203,26 @@ class GPOModule(RolloutSource, LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
         self.collector.begin_step(self.trainer.fit_loop.epoch_loop.total_batch_idx)  # advances on skipped steps too
-        rollout = self._rollout(run_prompt_hooks(self.trainer, self, batch))
-        if rollout is None:
-            publish(self.trainer, {"rollout/skipped": torch.ones((), device=self.device)}, log=log_due(self.trainer))
+        collected = self._rollout(run_prompt_hooks(self.trainer, self, batch))
+        if collected is None:
+            skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
+            publish(self.trainer, {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}, log=True)
             return
-        collected = time.perf_counter()
-        mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
+        rollout, mask, collected = *collected, time.perf_counter()
         step, step_adv, adv = self._advantages(rollout, mask)
-        metrics = self.learner.update(rollout, adv, mask, self._backend())
+        metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))
         self._publish(rollout, step, step_adv, metrics, (started, collected, time.perf_counter()))
 
-    def _rollout(self, batch: dict[str, Any]) -> Rollout | None:
-        """The scored rollout of ``batch`` after the rollout hooks; None when any rank has too few rows to train (all
-        ranks then skip the step together)."""
+    def _rollout(self, batch: dict[str, Any]) -> tuple[Rollout, Tensor] | None:
+        """The scored rollout of ``batch`` after the rollout hooks, and its loss mask ``[B, T]``; None when the step
+        cannot train: a rank has too few rows, or no rank has a token left in the loss (all ranks skip together)."""
         held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)
         rollout = run_rollout_hooks(self.trainer, self, self._collect(batch)) if held else None
         rows = len(rollout) if rollout is not None else 0
-        return rollout if collectives.every_rank_holds(rows, self.optim.number_of_minibatches, self.device) else None
+        if not collectives.every_rank_holds(rows, self.optim.number_of_minibatches, self.device):
+            return None
+        mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
+        return (rollout, mask) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None
 
     def _publish(self, rollout, step, step_adv, metrics, clock: tuple[float, float, float]) -> None:
         """The step's metrics to the callbacks and progress bar, and to the loggers when logging is due."""
@@ -207,7 +233,7 @@ class GPOModule(RolloutSource, LightningModule):
         counts = count_metrics(stats.reward_errors, self.device)
         if log:  # rank means and sums only where they are written: one all-reduce each
             metrics, counts = collectives.reduce_metrics(metrics, "mean"), collectives.reduce_metrics(counts, "sum")
-        metrics |= counts | step_metrics(step, step_adv, self.collector.rewards)
+        metrics |= counts | step_metrics(step, step_adv, self.collector.rewards, self.collector.mixer.weights)
         publish(self.trainer, {**metrics, "reward": metrics["reward/mean"]}, log=log)
 
     def _advantages(self, rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
@@ -228,17 +254,6 @@ class GPOModule(RolloutSource, LightningModule):
 
     def _collect(self, batch: dict[str, Any]) -> Rollout:
         return self.learner.add_kl_penalty(self.collector.collect(batch))
-
-    def _backend(self) -> Backend:
-        sharded = fsdp.is_sharded(self.trainer.strategy)
-        return Backend(self.optimizers(), self.lr_schedulers(), self.manual_backward, self._gradient_sync, sharded,
-                       self.device, self.trainer.global_step)  # fmt: skip
-
-    def _gradient_sync(self, last: bool):
-        """DDP all-reduces gradients in the last micro-batch's backward only; the others accumulate locally, so
-        ranks may run different numbers of micro-batches."""
-        strategy = self.trainer.strategy
-        return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) and not last else nullcontext()
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
 

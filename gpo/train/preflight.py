@@ -184,6 +184,18 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
         )
 
 
+def check_distillation(distill: Any, teacher: Any) -> None:
+    """``model.distill`` and ``model.teacher`` come together: one is the signal, the other the model it reads."""
+    if distill is not None and teacher is None:
+        raise ValueError("model.distill needs a teacher: set model.teacher to the teacher model's folder.")
+    if teacher is not None and distill is None:
+        raise ValueError(
+            "model.teacher is set but nothing reads it: add model.distill (gpo.algo.TeacherKL), or remove the teacher."
+        )
+    if isinstance(teacher, str):
+        check_pretrained_folder(teacher, "model.teacher", "model")
+
+
 def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) -> str:
     """``old_logprobs``, or what seed 000's ``ppo_clip_ref_logprobs`` says (``batch`` is ``trainer``)."""
     if old_logprobs not in ("rollout", "trainer"):

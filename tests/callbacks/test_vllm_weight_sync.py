@@ -3,11 +3,13 @@ the engine's log-probs equal the trainer's to 1e-4 in float32, for full fine-tun
 the check fails loudly when the weights are not pushed; the sync interval, the logged metrics and the state."""
 
 import copy
+import csv
 import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 from typing_extensions import override
 
@@ -73,7 +75,7 @@ class MismatchRecorder(RolloutCallback):
         self.sync_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith("weight_sync/")})
 
 
-def fit(assets, engine, sync, steps, **module_kwargs):
+def fit(assets, engine, sync, steps, logger=False, **module_kwargs):
     folder, data = assets
     warnings.filterwarnings("ignore", module="lightning")
     L.seed_everything(0)
@@ -82,7 +84,7 @@ def fit(assets, engine, sync, steps, **module_kwargs):
     recorder = MismatchRecorder()
     trainer = L.Trainer(
         max_steps=steps,
-        logger=False,
+        logger=logger,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -128,6 +130,18 @@ def test_sync_interval_counts_optimiser_steps_and_the_count_is_checkpointed(asse
     restored = VLLMWeightSync()
     restored.load_state_dict(sync.state_dict())
     assert (restored.syncs, restored.synced_at_step) == (3, 4)
+
+
+@needs_vllm
+def test_a_verification_is_logged_in_the_row_of_the_sync_that_made_it_and_only_there(assets, engine, tmp_path):
+    sync = VLLMWeightSync(verify_every_k=2, max_logprob_diff=1e-4)
+    fit(assets, engine, sync, steps=4, logger=CSVLogger(tmp_path))
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    synced = [(int(r["step"]), r["weight_sync/count"], r["weight_sync/logprob_diff_max"]) for r in rows
+              if r.get("weight_sync/count")]  # fmt: skip
+    # syncs 1 (train start, step 0), 2-5 after batches 0-3; every second one verified, starting with the first
+    assert [(step, count) for step, count, _ in synced] == [(0, "1.0"), (0, "2.0"), (1, "3.0"), (2, "4.0"), (3, "5.0")]
+    assert [bool(diff) for _, _, diff in synced] == [True, False, True, False, True]
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ class FixedEngine(RolloutEngine):
     shares_policy_weights = True
     sampling = Sampling(max_new_tokens=5)
 
-    def generate(self, prompt_ids, n, *, greedy=False, seed=None, logprobs=False) -> Rollout:
+    def generate(self, prompt_ids, n, *, greedy=False, seed=None, logprobs=False, sampling=None) -> Rollout:
         prompts, completions, truncated = [], [], []
         for p in prompt_ids:
             for k in range(n):

@@ -48,7 +48,7 @@ model:
   rewards: [tests.reliability.faults.stall_on_cue]
   group_size: 4
   algorithm: {{class_path: gpo.algo.GRPO, init_args: {{ppo_clip: {{}}}}}}
-  entropy: {{coef: 0.01}}
+  entropy: {entropy}
   engine: {{class_path: gpo.rollout.HFEngine, init_args: {{sampling: {{max_new_tokens: 4}}}}}}
   optim: {{lr: 1.0e-3, number_of_minibatches: 2, ppo_epochs: 2, lr_schedule: cosine, warmup_steps: 4}}
 data:
@@ -59,6 +59,8 @@ data:
 
 # DynamicSampling draws extra prompt batches (their position is part of the checkpoint) and has state of its own.
 DYNAMIC_SAMPLING = "    - class_path: gpo.callbacks.DynamicSampling\n      init_args: {max_rounds: 3}\n"
+# The adaptive entropy coefficient is objective state: it climbs by 0.001 a batch (the target is never reached).
+ADAPTIVE_ENTROPY = "{adaptive: {target: 100.0, step: 0.001}}"
 
 
 @pytest.fixture(scope="module", params=["plain", "dynamic_sampling"])
@@ -68,7 +70,9 @@ def config(tmp_path_factory, request) -> Path:
     write_jsonl(make_task("sort_digits", 20, seed=0), root / "train.jsonl")
     path = root / "config.yaml"
     extra = DYNAMIC_SAMPLING if request.param == "dynamic_sampling" else ""
-    path.write_text(CONFIG.format(model=root / "model", train=root / "train.jsonl", extra_callbacks=extra))
+    entropy = "{coef: 0.01}" if request.param == "dynamic_sampling" else ADAPTIVE_ENTROPY
+    path.write_text(CONFIG.format(model=root / "model", train=root / "train.jsonl", extra_callbacks=extra,
+                                  entropy=entropy))  # fmt: skip
     return path
 
 
@@ -132,6 +136,7 @@ def assert_same_run(a: dict, b: dict) -> None:
     ):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert a["lr_schedulers"] == b["lr_schedulers"]
+    assert a["gpo"]["objective"] == b["gpo"]["objective"]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +149,9 @@ def uninterrupted(config, tmp_path_factory) -> dict:
 def test_uninterrupted_run_checkpoints_its_last_step(uninterrupted):
     assert uninterrupted["global_step"] == 36
     assert uninterrupted["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] >= 1  # crossed an epoch
+    adaptive = uninterrupted["gpo"]["objective"].get("entropy")
+    if adaptive is not None:  # one climb per batch
+        assert adaptive["value"] == pytest.approx(0.001 * batches_done(uninterrupted))
 
 
 def test_sigkill_mid_step_then_resume_gives_bitwise_the_same_weights(config, tmp_path, uninterrupted):

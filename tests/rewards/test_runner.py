@@ -248,10 +248,10 @@ def test_a_slow_reward_function_is_reported_while_the_run_waits(caplog, timeout_
         scored = score([slow], make_rollout(), errors)
     torch.testing.assert_close(scored.values[:, 0], torch.ones(4))  # it finished: its values count
     [record] = caplog.records
-    limit = "no timeout_s set" if timeout_s is None else "it is stopped after timeout_s=5.0"
+    limit = " (no timeout_s set)" if timeout_s is None else "; it is stopped after timeout_s=5.0"
     assert record.getMessage() == (
         "reward function 'slow' on a batch of 4 completions (the first: prompt '12=', completion '3') is still "
-        f"running after 0 s{'; ' if timeout_s else ' ('}{limit}{')' if timeout_s is None else ''}; the run waits for it."
+        f"running after 0 s{limit}; the run waits for it."
     )
 
 

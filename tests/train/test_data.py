@@ -3,6 +3,7 @@ import json
 import pandas as pd
 import pytest
 
+from gpo.tasks import Arithmetic
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule, load_records
 
@@ -105,3 +106,37 @@ def test_missing_file_and_unknown_type(tmp_path):
     (tmp_path / "prompts.txt").write_text("hi")
     with pytest.raises(ValueError, match=r"unknown file type '\.txt'"):
         load_records(tmp_path / "prompts.txt")
+
+
+# ---- prompts generated from a seed (gpo.tasks.GeneratedTask) instead of read from a file ---------------------------
+
+
+def test_a_generated_task_serves_prompts_and_its_held_out_split(tokenizer_path):
+    train, test = Arithmetic(size=12, seed=2), Arithmetic(size=4, split="test", seed=2)
+    data = PromptDataModule(train, val_path=test, tokenizer=tokenizer_path, prompts_per_step=4, chat_template=False)
+    data.setup("fit")
+    assert [r["prompt"] for r in data.train_rows] == [r["prompt"] for r in train.records()]
+    assert [r["answer"] for r in data.val_rows] == [r["answer"] for r in test.records()]
+    assert all(len(r["prompt_ids"]) == len(r["prompt"]) for r in data.train_rows)  # one token per character
+    assert list(data.columns) == [f"data.path={train!r}", f"data.val_path={test!r}"]
+    batch = next(iter(data.train_dataloader()))
+    assert len(batch["prompt"]) == 4 and set(batch["fields"]) == {"answer"}
+
+
+def test_a_generated_task_is_written_in_yaml_and_its_errors_name_the_field(tmp_path, tokenizer_path):
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(PromptDataModule, "data")
+    config = tmp_path / "data.yaml"
+    config.write_text(
+        "data:\n  path:\n    class_path: gpo.tasks.Arithmetic\n    init_args: {size: 19, split: test, digits: 1}\n"
+    )
+    data = parser.instantiate(parser.parse_args(["--config", str(config)])).data
+    assert isinstance(data.path, Arithmetic) and data.path.digits == 1
+    data.tokenizer_path = tokenizer_path
+    with pytest.raises(ValueError, match=r"^data.path: Arithmetic: size=19, but only 18 distinct test problems"):
+        data.setup("fit")
+    plain = parser.instantiate(parser.parse_args(["--data.path", "prompts.jsonl"])).data
+    assert plain.path == "prompts.jsonl"  # a file path stays a path

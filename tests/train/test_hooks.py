@@ -1,7 +1,6 @@
 """The rollout hooks: declared on RolloutCallback (a misspelt one is refused), run by one call each, and enough for a
 LightningModule that is not GPOModule to use DynamicSampling, RolloutMonitor and VLLMWeightSync."""
 
-import inspect
 
 import lightning as L
 import pytest
@@ -37,7 +36,7 @@ def test_a_misspelt_hook_is_refused_when_the_class_is_defined():
 
 def test_every_rollout_hook_of_gpos_callbacks_is_marked_override():
     marked = 0
-    for _, cls in inspect.getmembers(gpo.callbacks, inspect.isclass):
+    for cls in (getattr(gpo.callbacks, name) for name in gpo.callbacks.__all__):
         if issubclass(cls, RolloutCallback):
             for name in ("on_prompts", "on_rollout_end"):
                 if name in vars(cls):

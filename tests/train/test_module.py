@@ -1,10 +1,13 @@
 """GPOModule end to end on a tiny local model: the reward rises, micro-batching changes nothing, bad input fails."""
 
+import logging
+
 import lightning as L
 import pytest
 import torch
 
 from gpo.algo import GSPO, EntropyBonus, KLPenalty, OverlongFilter, RolloutCorrection
+from gpo.algo.distillation import TeacherKL
 from gpo.rewards import positional_match
 from gpo.rewards.runner import RewardErrors
 from gpo.rollout import HFEngine, Sampling
@@ -78,6 +81,9 @@ def test_a_reward_returning_nan_is_reported_with_its_prompt(workspace):
         ({"old_logprobs": "rollout", "ppo_clip_ref_logprobs": "batch"}, None),  # the seed's name for trainer
         ({"old_logprobs": "trainer", "ppo_clip_ref_logprobs": "rollout"}, "disagree; set only one"),
         ({"algorithm": "ppo"}, "grpo, rloo, reinforce_pp"),
+        ({"distill": TeacherKL()}, "model.distill needs a teacher"),
+        ({"teacher": "somewhere"}, "model.teacher is set but nothing reads it"),
+        ({"distill": TeacherKL(), "teacher": "no/such/teacher"}, "model.teacher='no/such/teacher': no such folder"),
     ],
 )
 def test_invalid_configuration_fails_at_construction(workspace, kwargs, message):
@@ -85,7 +91,7 @@ def test_invalid_configuration_fails_at_construction(workspace, kwargs, message)
     if message is None:
         assert GPOModule(workspace[0], **kwargs).learner.old_logprobs == "trainer"
         return
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
         GPOModule(workspace[0], **kwargs)
 
 
@@ -174,3 +180,39 @@ def test_dppo_top_k_modes_train_with_the_old_policys_top_k_from_the_lean_path(wo
     # the first update of the rollout runs the policy that sampled it: the old top-4 set is the current one
     assert float(divergences[0].max()) < 1e-5 and float(divergences[1].max()) > 1e-3
     assert module.learner.objective.requires == {"topk_logp", "old_topk_logp"}
+
+
+def test_a_step_with_every_completion_dropped_from_the_loss_is_skipped_counted_and_warned_about(workspace, caplog):
+    from gpo.algo import OverlongFilter
+
+    model, data = workspace
+    # one token, the most likely (top_k=1): for these prompts it is not EOS, so OverlongFilter drops every completion
+    module = tiny_module(
+        model, token_weights=[OverlongFilter()], engine=HFEngine(sampling=Sampling(max_new_tokens=1, top_k=1))
+    )
+    trainer = quiet_trainer(10, limit_train_batches=6, max_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        trainer.fit(module, prompts(model, data))
+    assert trainer.global_step == 0  # no optimiser step on an empty loss
+    assert float(trainer.callback_metrics["train/empty_loss_streak"]) == 6
+    assert "entropy" not in trainer.callback_metrics  # no statistics over an empty mask
+    [warning] = [r.getMessage() for r in caplog.records if "no token was left in the loss" in r.getMessage()]
+    assert "for 5 steps in a row" in warning and "OverlongFilter" in warning and "max_new_tokens" in warning
+
+
+def test_the_headline_reward_is_the_weighted_sum_of_the_rewards_whatever_the_mixer(workspace):
+    from gpo.algo import GroupNormalizedSum
+
+    def length(prompts, completions, **_):
+        return [float(len(c)) for c in completions]
+
+    model, data = workspace
+    module = tiny_module(model, [positional_match, length], mixer=GroupNormalizedSum(weights=[1.0, 0.5]))
+    trainer = quiet_trainer(1)
+    trainer.fit(module, prompts(model, data))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # GDPO's mix is centred within each group: its mean is 0, which is no headline
+    assert logged["reward/mixed_mean"] == pytest.approx(0.0, abs=1e-6)
+    weighted = logged["reward/positional_match"] + 0.5 * logged["reward/length"]
+    assert logged["reward/mean"] == pytest.approx(weighted, rel=1e-6) == pytest.approx(logged["reward"], rel=1e-6)
+    assert logged["reward/length"] > 0

@@ -1,0 +1,120 @@
+"""The Learner supplies what the objective's parts read (step masks, teacher log-probs, the adaptive entropy
+coefficient), and the parts act as their formulas say once inside a training step."""
+
+import copy
+from contextlib import nullcontext
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from gpo.algo import ClipGate, EntropyBonus, TokenMean
+from gpo.algo.distillation import TeacherKL
+from gpo.algo.masks import MismatchBandMask, SecondMomentMask
+from gpo.algo.objective import PolicyObjective
+from gpo.algo.regularizers import AdaptiveEntropy
+from gpo.models.scorer import TokenScorer
+from gpo.models.teacher import LocalTeacher
+from gpo.rollout import HFEngine, Sampling
+from gpo.testing import char_tokenizer, tiny_config, tiny_model
+from gpo.train.learner import Backend, Learner
+from gpo.train.optimization import Optimization
+
+
+def sampled(policy, seed: int = 0):
+    """A rollout of 3 prompts x 4 completions of up to 6 tokens from ``policy``, with made-up advantages."""
+    tokenizer = char_tokenizer()
+    engine = HFEngine(sampling=Sampling(max_new_tokens=6))
+    engine.setup(policy, tokenizer)
+    rollout = engine.generate([tokenizer.encode(p) for p in ("12 ", "345 ", "6 ")], 4, seed=seed)
+    adv = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask  # [B, T]
+    return rollout, adv
+
+
+def learner(policy, optim: Optimization | None = None, teacher=None, **objective_kwargs) -> tuple[Learner, Backend]:
+    objective = PolicyObjective(ClipGate(), TokenMean(), **objective_kwargs)
+    scorer = TokenScorer(policy)
+    optim = optim or Optimization(lr=1e-2)
+    optimizer, scheduler = optim.build([p for p in policy.parameters() if p.requires_grad], None)
+    backend = Backend(optimizer, scheduler, lambda loss: loss.backward(), lambda last: nullcontext(), False,
+                      torch.device("cpu"), 0)  # fmt: skip
+    teacher = LocalTeacher(teacher) if teacher is not None else None
+    return Learner(
+        scorer, objective, optim, old_logprobs="trainer", sampler_shares_weights=False, teacher=teacher
+    ), backend
+
+
+def assert_same_parameters(a, b):
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+@pytest.mark.parametrize("mask", [MismatchBandMask(low=0.9, high=1.1), SecondMomentMask(bound=0.002)])
+def test_a_step_mask_drops_tokens_from_the_loss_and_its_normaliser(mask):
+    policy = tiny_model("llama", seed=1)
+    rollout, adv = sampled(policy)
+    noise = torch.Generator().manual_seed(0)
+    rollout.logp = rollout.logp + 0.2 * torch.randn(rollout.logp.shape, generator=noise)  # an engine that disagrees
+    masked, plain = policy, copy.deepcopy(policy)
+
+    learner_masked, backend = learner(masked, masks=[mask])
+    assert learner_masked.wants_rollout_logprobs  # the mask reads the engine's log-probs, old_logprobs or not
+    metrics = learner_masked.update(rollout, adv, rollout.completion_mask.float(), backend)
+
+    # the same update without the mask, on a loss mask with the dropped tokens zeroed by hand
+    train_logp = TokenScorer(plain).policy_logp(rollout)
+    on = rollout.completion_mask.bool()
+    if isinstance(mask, MismatchBandMask):
+        ratio = (train_logp - rollout.logp).exp()
+        keep = on & (ratio >= 0.9) & (ratio <= 1.1)
+    else:  # drop the largest squared log-ratios until the kept mean is within the bound
+        squared = ((train_logp.double() - rollout.logp.double()) ** 2)[on]
+        ordered = squared.sort().values
+        kept_count = max(k for k in range(len(ordered) + 1) if k == 0 or ordered[:k].mean() <= 0.002)
+        distance = (train_logp.double() - rollout.logp.double()) ** 2
+        keep = on & (distance <= ordered[kept_count - 1]) if kept_count else on & False
+    assert 0 < int(keep.sum()) < int(on.sum())  # the case drops some tokens and keeps others
+    learner_plain, backend = learner(plain)
+    learner_plain.update(rollout, adv, keep.float(), backend)
+    assert_same_parameters(masked, plain)
+    assert any(key.startswith("mask/") for key in metrics)
+
+
+def test_distillation_towards_an_identical_teacher_changes_nothing_and_towards_another_shrinks_the_kl():
+    student = tiny_model("llama", seed=1)
+    rollout, adv = sampled(student)
+    before = copy.deepcopy(student)
+    identical, backend = learner(student, teacher=copy.deepcopy(student), distill=TeacherKL(replace=True))
+    metrics = identical.update(rollout, adv, rollout.completion_mask.float(), backend)
+    assert abs(float(metrics["distill/reverse_kl"])) < 1e-6
+    assert_same_parameters(student, before)  # a zero advantage everywhere: no gradient
+
+    teacher = tiny_model("llama", seed=2)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(10.0)  # a confident teacher, far from the near-uniform student
+    distilling, backend = learner(student, Optimization(lr=3e-2), teacher=teacher, distill=TeacherKL(replace=True))
+    kls = []
+    for step in range(20):
+        rollout, adv = sampled(student, seed=step)
+        metrics = distilling.update(rollout, adv, rollout.completion_mask.float(), backend)
+        kls.append(float(metrics["distill/reverse_kl"]))
+    first, last = sum(kls[:5]) / 5, sum(kls[-5:]) / 5
+    assert first > 5 and last < 0.25 * first, kls  # reverse KL falls: the student moves towards the teacher
+
+
+def test_the_adaptive_entropy_coefficient_follows_each_steps_entropy():
+    policy = tiny_model("llama", seed=1)
+    rollout, adv = sampled(policy)
+    adaptive = AdaptiveEntropy(target=100.0, step=0.01)  # far above any entropy: the coefficient climbs
+    steered, backend = learner(policy, entropy=EntropyBonus(adaptive=adaptive))
+    coefs = [float(steered.update(rollout, adv, rollout.completion_mask.float(), backend)["entropy/coef"])]
+    coefs.append(float(steered.update(rollout, adv, rollout.completion_mask.float(), backend)["entropy/coef"]))
+    assert coefs == pytest.approx([0.01, 0.02])
+    assert steered.objective.state_dict() == {"entropy": {"value": pytest.approx(0.02), "entropy": adaptive.entropy}}
+
+
+def test_a_teacher_whose_vocabulary_cannot_hold_the_policys_tokens_is_refused():
+    small = LocalTeacher(LlamaForCausalLM(tiny_config("llama", vocab_size=10)))
+    with pytest.raises(ValueError, match=r"model.teacher's input embedding has 10 rows .* same family"):
+        small.setup(char_tokenizer())
+    LocalTeacher(tiny_model("llama")).setup(char_tokenizer())  # the same vocabulary: accepted
