@@ -19,6 +19,8 @@ def export_policy(
     A LoRA policy is saved merged into its base weights (``merge=True``: a plain model folder) or as the
     adapter alone (``merge=False``: load it with peft on top of the base model); the training model itself is
     left untouched. The folder appears whole or not at all: files go to a sibling temporary folder first.
+    ``tokenizer`` is saved as it is: load it with ``gpo.models.loading.load_tokenizer``, which keeps the pipeline
+    of the folder's ``tokenizer.json``, and the exported folder tokenizes as the input folder did.
     """
     folder = Path(folder)
     partial = folder.with_name(f".{folder.name}.partial")
@@ -48,15 +50,16 @@ def export_checkpoint(
     to rebuild); ``policy`` overrides its ``model.policy`` path, e.g. when the run was started elsewhere.
     """
     import yaml
-    from transformers import AutoTokenizer
 
-    from gpo.models.loading import LoraSettings, load_policy
+    from gpo.models.loading import LoraSettings, check_pretrained_folder, load_policy, load_tokenizer
     from gpo.train.checkpointing import load_checkpoint_file
 
     settings = yaml.safe_load(Path(config).read_text())["model"]
     path = policy or settings["policy"]
-    if not Path(path).exists():
-        raise FileNotFoundError(f"the run's base model {path!r} does not exist here; pass the folder as --policy.")
+    try:
+        check_pretrained_folder(path, "model.policy", "model")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} (gpo export: give the run's base model with --policy)") from None
     lora = LoraSettings(**settings["lora"]) if settings.get("lora") else None
     model = load_policy(
         path, dtype=settings.get("dtype", "float32"), mode=settings.get("trainer_mode", "full"), lora=lora
@@ -68,5 +71,6 @@ def export_checkpoint(
         raise ValueError(
             f"{checkpoint} does not match the model in {config}: missing {missing}, unexpected {unexpected}"
         )
-    tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer") or path)
+    field = "model.tokenizer" if settings.get("tokenizer") else "model.policy"
+    tokenizer = load_tokenizer(settings.get("tokenizer") or path, field)
     return export_policy(model, tokenizer, folder, merge=merge)

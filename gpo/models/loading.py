@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import httpx
+import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TokenizersBackend,
+)
 
 from gpo.models import gguf_cache
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
+HUB_TIMEOUT_S = 5.0  # the one request asking the hub whether a model id exists
 TrainerMode = Literal["full", "lora", "qlora"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -49,9 +60,10 @@ class LoraSettings:
 
 
 def check_pretrained_folder(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
-    """Refuse a local ``path`` that does not exist or lacks ``kind``'s files; a hub id (``org/name``) that is not
-    a local folder is left to transformers. A GGUF model (``gpo.models.gguf_cache``) is checked for its file and,
-    until it has been converted, for the ``gguf`` package; it carries both the model and its tokenizer."""
+    """Refuse a local ``path`` that does not exist or lacks ``kind``'s files, and a hub id (``org/name``) that is
+    neither in the hub cache nor known to the hub (``check_hub_id``). A GGUF model (``gpo.models.gguf_cache``) is
+    checked for its file and, until it has been converted, for the ``gguf`` package; it carries both the model and
+    its tokenizer."""
     if gguf_cache.is_gguf_source(path):
         if not gguf_cache.cached_folder(gguf_cache.gguf_file(path, field)).is_dir():
             gguf_cache.require_gguf(path, field)
@@ -59,6 +71,7 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
     folder = Path(path).expanduser()
     if not folder.exists():
         if _HUB_ID.match(path):
+            check_hub_id(path, field, kind)
             return
         raise FileNotFoundError(
             f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
@@ -81,6 +94,44 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
         )
 
 
+def check_hub_id(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
+    """Refuse at once a hub id that the local hub cache does not hold and the hub does not know, asked once with
+    a ``HUB_TIMEOUT_S`` limit: a misspelt local folder often looks like a hub id, and transformers would retry the
+    hub for about a minute before failing. Offline (``HF_HUB_OFFLINE=1``) only the cache is looked at."""
+    wanted = ("config.json",) if kind == "model" else TOKENIZER_FILES
+    try:
+        if any(isinstance(huggingface_hub.try_to_load_from_cache(path, name), str) for name in wanted):
+            return
+    except HFValidationError:
+        raise FileNotFoundError(_not_found(path, field, "is not a valid hub id either")) from None
+    if huggingface_hub.is_offline_mode():
+        raise FileNotFoundError(
+            _not_found(path, field, "is not in the hub cache, and the hub is off (HF_HUB_OFFLINE is set)")
+        )
+    try:
+        huggingface_hub.model_info(path, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists: the download says what access it needs
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            _not_found(path, field, "no model on the hub has that id (a private one needs HF_TOKEN)")
+        ) from None
+    except HfHubHTTPError:
+        return  # the hub answered with another error (a 5xx, a rate limit): the download retries it
+    except (OSError, httpx.HTTPError) as err:
+        reason = f"the hub could not be reached to look it up ({type(err).__name__})"
+        raise FileNotFoundError(_not_found(path, field, reason)) from None
+
+
+def _not_found(path: str, field: str, reason: str) -> str:
+    """The message for a ``path`` that is no local folder and cannot be loaded from the hub, for ``reason``."""
+    return (
+        f"{field}={path!r} is not a local folder (looked for {Path(path).absolute()}) and {reason}; point it at a "
+        f"folder written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), a .gguf file, or a GGUF "
+        f"model shipped in a package (package:file.gguf)."
+    )
+
+
 def pretrained_path(path: str, field: str) -> str:
     """What ``from_pretrained`` loads for ``path``: the converted folder of a GGUF model (converting it on first
     use), else ``path`` itself (a folder or a hub id)."""
@@ -88,8 +139,29 @@ def pretrained_path(path: str, field: str) -> str:
 
 
 def load_tokenizer(path: str, field: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``path`` (a folder, hub id or GGUF model); ``field`` names the config key in errors."""
-    return AutoTokenizer.from_pretrained(pretrained_path(path, field))
+    """The tokenizer of ``path`` (a folder, hub id or GGUF model) as it was saved; ``field`` names the config key in
+    errors.
+
+    transformers 5 picks the tokenizer class from the model type, and some classes rebuild the pipeline from the
+    vocabulary alone: every ``qwen2`` folder gets ``Qwen2Tokenizer``'s byte-level BPE, which drops the spaces of a
+    character vocabulary. Where the pipeline built differs from the folder's ``tokenizer.json`` (model type,
+    normaliser, pre-tokeniser or decoder), that file is loaded as saved instead, so training, ``ExportPolicy`` and
+    ``gpo export`` keep the tokenizer the folder holds.
+    """
+    source = pretrained_path(path, field)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    saved = Path(source, "tokenizer.json")
+    if isinstance(tokenizer, TokenizersBackend) and saved.is_file():
+        built = _pipeline(json.loads(tokenizer.backend_tokenizer.to_str()))
+        if built != _pipeline(json.loads(saved.read_text(encoding="utf-8"))):
+            return TokenizersBackend.from_pretrained(source)
+    return tokenizer
+
+
+def _pipeline(tokenizer_json: dict) -> tuple:
+    """What turns text into ids and back in a ``tokenizer.json``, its vocabulary aside."""
+    parts = ("normalizer", "pre_tokenizer", "decoder")
+    return (tokenizer_json["model"].get("type"), *(tokenizer_json.get(part) for part in parts))
 
 
 def check_trainer_mode(mode: str) -> None:
@@ -128,10 +200,7 @@ def load_policy(
     except OSError as err:
         if Path(path).exists():
             raise
-        raise FileNotFoundError(
-            f"{field}={path!r} is not a local folder (looked for {Path(path).absolute()}) and could not be "
-            f"loaded as a hub model id; point it at a folder written by save_pretrained. ({err})"
-        ) from err
+        raise FileNotFoundError(_not_found(path, field, f"could not be loaded as a hub model id ({err})")) from err
     return model if mode == "full" else add_lora(model, lora or LoraSettings(), quantized=mode == "qlora")
 
 

@@ -17,12 +17,15 @@ from transformers import PreTrainedTokenizerBase
 
 from gpo.models.loading import check_pretrained_folder, load_tokenizer
 from gpo.parallel import collectives
+from gpo.seeds import run_seed, stream_generator, stream_seed
 from gpo.tasks import GeneratedTask
+from gpo.train.hooks import RolloutSource
 
 log = logging.getLogger(__name__)
 
 LongPrompts = Literal["error", "truncate"]
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_TEXT_FILES = (".jsonl", ".json", ".csv")
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
@@ -44,7 +47,24 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(_FILE_TYPES)}.")
     if path.stat().st_size == 0:
         return []
+    if path.suffix.lower() in _TEXT_FILES:
+        require_utf8(path)
     return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+
+
+def require_utf8(path: Path) -> None:
+    """Refuse a text file that is not UTF-8, naming its first line that is not (``datasets`` would raise a bare
+    ``UnicodeDecodeError``, or a generation error hiding one). A line is decoded alone: no UTF-8 sequence holds a
+    newline byte."""
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path} line {number} is not UTF-8 (byte 0x{line[err.start]:02x} at byte {err.start + 1} of "
+                    "the line); prompts files must be UTF-8: save it with that encoding."
+                ) from None
 
 
 def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
@@ -73,8 +93,9 @@ class PromptDataModule(LightningDataModule):
         val_path: held-out prompts for evaluation, in any form ``path`` takes (e.g. the task's ``split: test``);
             None splits off ``val_size`` rows of ``path`` instead.
         val_size: rows of ``path`` held out for evaluation when ``val_path`` is None (0: no evaluation set).
-        tokenizer: tokenizer folder (or GGUF model, see ``gpo.models.loading.pretrained_path``); normally linked to
-            the policy's path.
+        tokenizer: tokenizer folder (or GGUF model, see ``gpo.models.loading.pretrained_path``); ``gpo fit`` links it
+            to the policy's path. None: the tokenizer of the LightningModule it is trained with (its
+            ``gpo.train.hooks.RolloutSource.tokenizer``, as ``GPOModule``'s).
         prompt_column: the column holding the prompt text.
         prompts_per_step: prompts per training step over all processes (each gets ``group_size`` completions);
             under DDP each of the ``W`` processes samples ``prompts_per_step / W`` of them.
@@ -83,7 +104,9 @@ class PromptDataModule(LightningDataModule):
             ``max_prompt_length`` tokens and logs how many were cut.
         chat_template: wrap prompts in the tokenizer's chat template as a user turn; None applies it when the
             tokenizer has one.
-        seed: seed of the shuffle and of the validation split.
+        seed: seed of the data's streams (each epoch's order, the validation split, extra draws), each hashed from
+            it with its purpose (``gpo.seeds``); None: the run's seed (``seed_everything``), so one seed sets the
+            whole experiment.
     """
 
     def __init__(
@@ -98,7 +121,7 @@ class PromptDataModule(LightningDataModule):
         max_prompt_length: int = 512,
         long_prompts: LongPrompts = "error",
         chat_template: bool | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -112,7 +135,7 @@ class PromptDataModule(LightningDataModule):
         self.path, self.val_path, self.val_size = path, val_path, val_size
         self.tokenizer_path, self.prompt_column = tokenizer, prompt_column
         self.prompts_per_step, self.max_prompt_length = prompts_per_step, max_prompt_length
-        self.long_prompts, self.chat_template, self.seed = long_prompts, chat_template, seed
+        self.long_prompts, self.chat_template, self.seed = long_prompts, chat_template, run_seed(seed)
         self.train_rows: list[dict[str, Any]] = []
         self.val_rows: list[dict[str, Any]] = []
         self.columns: dict[str, list[str]] = {}  # each file's columns, keyed "data.path='...'"; set by setup
@@ -127,10 +150,7 @@ class PromptDataModule(LightningDataModule):
             )
         if self.train_rows:
             return
-        if self.tokenizer_path is None:
-            raise ValueError("PromptDataModule needs tokenizer= (the policy's folder; `gpo fit` links it).")
-        check_pretrained_folder(self.tokenizer_path, "data.tokenizer", "tokenizer")
-        tokenizer = load_tokenizer(self.tokenizer_path, "data.tokenizer")
+        tokenizer = self._tokenizer()
         rows = self._prepare(tokenizer, "path")
         if self.val_path is not None:
             self.train_rows, self.val_rows = rows, self._prepare(tokenizer, "val_path")
@@ -139,10 +159,23 @@ class PromptDataModule(LightningDataModule):
                 raise ValueError(
                     f"data.val_size={self.val_size} leaves no training rows out of {len(rows)}; hold out fewer."
                 )
-            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            order = torch.randperm(len(rows), generator=stream_generator("data/val_split", self.seed)).tolist()
             cut = len(rows) - self.val_size
             self.train_rows = [rows[i] for i in order[:cut]]
             self.val_rows = [rows[i] for i in order[cut:]]
+
+    def _tokenizer(self) -> PreTrainedTokenizerBase:
+        """The ``tokenizer`` folder's, else the trained LightningModule's."""
+        if self.tokenizer_path is not None:
+            check_pretrained_folder(self.tokenizer_path, "data.tokenizer", "tokenizer")
+            return load_tokenizer(self.tokenizer_path, "data.tokenizer")
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if isinstance(module, RolloutSource):
+            return module.tokenizer
+        raise ValueError(
+            "PromptDataModule has no tokenizer: pass tokenizer= (the policy's folder; `gpo fit` links it), or train "
+            "it with a LightningModule that has one (a gpo.train.hooks.RolloutSource, such as GPOModule)."
+        )
 
     def _prepare(self, tokenizer: PreTrainedTokenizerBase, name: str) -> list[dict]:
         """The rows of the file or task in argument ``name`` (``path`` or ``val_path``), tokenised and checked."""
@@ -209,8 +242,8 @@ class PromptDataModule(LightningDataModule):
 
 
 class EpochOrder(DistributedSampler):
-    """Row order of one epoch, this process's share of it: a permutation drawn from ``(seed, epoch)`` alone, so any
-    epoch can be replayed.
+    """Row order of one epoch, this process's share of it: a permutation drawn from ``(seed, epoch)`` alone (the
+    stream ``gpo.seeds.stream_seed("data/order", seed, epoch)``), so any epoch can be replayed.
 
     With ``world_size`` W > 1 the permutation is padded to a multiple of W by repeating its first rows (as torch's
     ``DistributedSampler`` does) and rank ``r`` takes rows ``r, r + W, r + 2W, ...``. Batches of ``P / W`` rows per
@@ -234,7 +267,7 @@ class EpochOrder(DistributedSampler):
         """The whole epoch's permutation (every rank's rows)."""
         if not self.shuffle:
             return list(range(self.size))
-        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return torch.randperm(self.size, generator=stream_generator("data/order", self.seed, epoch)).tolist()
 
     def __iter__(self):
         skip_epoch, rows_done = self._skip
@@ -257,7 +290,7 @@ class PromptLoader(DataLoader):
     Args:
         rows: prepared prompt rows.
         batch_size: prompts per batch.
-        seed: shuffle seed; epoch ``e`` uses the permutation of ``seed + e``.
+        seed: the data seed; epoch ``e``'s order is drawn from ``(seed, e)`` (see ``EpochOrder``).
         batches_trained: how many batches of the current epoch have been trained on when a checkpoint is written
             (the training loop's count: a loader cannot tell a batch trained on from one only prefetched).
         rank: this process's rank; with ``world_size`` > 1 it loads its share of each epoch (see ``EpochOrder``).
@@ -270,7 +303,7 @@ class PromptLoader(DataLoader):
     ) -> None:  # fmt: skip
         self.order = EpochOrder(len(rows), seed, rank=rank, world_size=world_size)
         # its own generator: starting an iterator would otherwise draw a worker seed from torch's global one
-        generator = torch.Generator().manual_seed(seed)
+        generator = stream_generator("data/workers", seed)
         super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate, generator=generator)
         self.batches_trained = batches_trained
 
@@ -285,13 +318,13 @@ class PromptDraws:
     """More batches of training prompts, for callbacks that draw beyond a step's own batch (``DynamicSampling``),
     from passes over the data of their own.
 
-    Pass ``k`` is shuffled by ``seed + 1 + k`` alone and ``drawn`` (the count so far) is checkpointed, so a resumed
-    run draws the same batches (for map-style datasets; an iterable dataset is simply iterated again). Under DDP each
-    rank draws from its own share of each pass.
+    Pass ``k`` is shuffled by ``stream_seed("data/draws", seed, k)`` alone (never a training epoch's order) and
+    ``drawn`` (the count so far) is checkpointed, so a resumed run draws the same batches (for map-style datasets;
+    an iterable dataset is simply iterated again). Under DDP each rank draws from its own share of each pass.
 
     Args:
         loader: the training loader whose rows and batching the draws reuse.
-        seed: the data seed.
+        seed: the seed its passes are drawn from.
         drawn: batches already drawn (from a checkpoint).
     """
 
@@ -306,7 +339,8 @@ class PromptDraws:
     def __next__(self) -> dict[str, Any]:
         passes, offset = divmod(self.drawn, self.per_pass or 1)
         if self._batches is None or offset == 0:
-            extra = reshuffled(self.loader, self.seed + 1 + passes) if self.per_pass else self.loader
+            seed = stream_seed("data/draws", self.seed, passes)
+            extra = reshuffled(self.loader, seed) if self.per_pass else self.loader
             self._batches = itertools.islice(iter(extra), offset, None)
         self.drawn += 1
         try:
@@ -333,5 +367,5 @@ def reshuffled(loader: DataLoader, seed: int) -> DataLoader:
     # otherwise be drawn from whenever an iterator starts (and a resumed run starts them at other times).
     return DataLoader(
         loader.dataset, batch_size=loader.batch_size, sampler=order, collate_fn=loader.collate_fn,
-        generator=torch.Generator().manual_seed(seed),
+        generator=stream_generator("data/workers", seed),
     )  # fmt: skip

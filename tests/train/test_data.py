@@ -140,3 +140,51 @@ def test_a_generated_task_is_written_in_yaml_and_its_errors_name_the_field(tmp_p
         data.setup("fit")
     plain = parser.instantiate(parser.parse_args(["--data.path", "prompts.jsonl"])).data
     assert plain.path == "prompts.jsonl"  # a file path stays a path
+
+
+# ---- encodings: a prompts file that is not UTF-8 is named with its line -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line"),
+    [
+        ("prompts.jsonl", '{"prompt": "ok"}\n{"prompt": "café"}\n', 2),
+        ("prompts.json", '[{"prompt": "ok"},\n {"prompt": "café"}]\n', 2),
+        ("prompts.csv", "prompt\nok\ncafé\n", 3),
+    ],
+)
+def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, tokenizer_path, name, content, line):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    assert [r["prompt"] for r in load_records(path)] == ["ok", "café"]
+    path.write_text(content, encoding="latin-1")  # é is the single byte 0xe9 there
+    message = (
+        rf"^data.path: {path} line {line} is not UTF-8 \(byte 0xe9 at byte \d+ of the line\); prompts files must be"
+    )
+    with pytest.raises(ValueError, match=message):
+        PromptDataModule(str(path), tokenizer=tokenizer_path).setup("fit")
+
+
+# ---- the tokenizer: the data module's own, else the module's it is trained with -----------------------------------
+
+
+def test_without_a_tokenizer_it_uses_the_trained_modules(tmp_path, tokenizer_path):
+    from tests.tiny import quiet_trainer, tiny_module
+
+    module = tiny_module(tokenizer_path)
+    data = PromptDataModule(str(write(tmp_path, "jsonl")), prompts_per_step=2)
+    quiet_trainer(1).fit(module, data)
+    assert module.global_step == 1
+    assert [module.tokenizer.decode(r["prompt_ids"]) for r in data.train_rows] == [r["prompt"] for r in data.train_rows]
+
+
+def test_without_a_tokenizer_anywhere_it_says_where_to_give_one(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from tests.tiny import quiet_trainer
+
+    data = PromptDataModule(str(write(tmp_path, "jsonl")), prompts_per_step=2)
+    with pytest.raises(ValueError, match=r"PromptDataModule has no tokenizer: pass tokenizer= \(the policy's folder"):
+        quiet_trainer(1).fit(BoringModel(), data)
+    with pytest.raises(ValueError, match="PromptDataModule has no tokenizer"):
+        data.setup("fit")  # no trainer at all

@@ -1,0 +1,92 @@
+"""A policy path that is not a local folder: a misspelt one fails at once with what to do, whether the hub is off,
+unreachable or does not know the id; an id the hub cache holds or the hub knows goes on. The hub is never asked
+for real: its one call is replaced."""
+
+import time
+from types import SimpleNamespace
+
+import httpx
+import huggingface_hub
+import huggingface_hub.constants
+import pytest
+from huggingface_hub.errors import RepositoryNotFoundError
+
+from gpo.models.loading import check_pretrained_folder
+
+MISSPELT = ["Qwen/Qwen2.5-0.5B-Instruc", "mdoel"]  # both look like hub ids
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """An empty hub cache, the hub on, and its one call answered by ``hub.answer`` (an exception to raise, or None
+    for "it exists"); ``hub.asked`` lists the ids asked about."""
+
+    hub = SimpleNamespace(answer=None, asked=[])
+
+    def model_info(repo_id, *, timeout=None):
+        hub.asked.append(repo_id)
+        assert timeout is not None and timeout <= 10  # one bounded request, no retries
+        if hub.answer is not None:
+            raise hub.answer
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    return hub
+
+
+def not_found(repo_id: str) -> RepositoryNotFoundError:
+    request = httpx.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
+    return RepositoryNotFoundError("404 Client Error", response=httpx.Response(404, request=request))
+
+
+def refused_at_once(path: str, field: str = "model.policy", kind: str = "model") -> str:
+    started = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as raised:
+        check_pretrained_folder(path, field, kind)
+    assert time.perf_counter() - started < 2.0
+    message = str(raised.value)
+    assert f"{field}={path!r} is not a local folder" in message and "save_pretrained" in message, message
+    return message
+
+
+@pytest.mark.parametrize("path", MISSPELT)
+def test_offline_a_misspelt_path_fails_at_once_without_asking_the_hub(hub, monkeypatch, path):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
+    assert "the hub is off (HF_HUB_OFFLINE is set)" in refused_at_once(path)
+    assert hub.asked == []
+
+
+@pytest.mark.parametrize("path", MISSPELT)
+def test_an_id_the_hub_does_not_know_fails_at_once(hub, path):
+    hub.answer = not_found(path)
+    assert "no model on the hub has that id" in refused_at_once(path, "data.tokenizer", "tokenizer")
+    assert hub.asked == [path]
+
+
+def test_an_unreachable_hub_fails_at_once_instead_of_retrying(hub):
+    hub.answer = httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+    assert "the hub could not be reached to look it up (ConnectError)" in refused_at_once(MISSPELT[0])
+
+
+def test_a_path_that_is_no_hub_id_is_refused_without_asking(hub):
+    message = refused_at_once("a..b")  # hub ids may not hold ".."
+    assert "is not a valid hub id either" in message and hub.asked == []
+    with pytest.raises(FileNotFoundError, match=r"model.policy='./mdoel': no such folder"):
+        check_pretrained_folder("./mdoel", "model.policy", "model")
+    assert hub.asked == []
+
+
+def test_an_id_the_hub_knows_or_the_cache_holds_goes_on(hub, monkeypatch, tmp_path):
+    check_pretrained_folder("Qwen/Qwen2.5-0.5B-Instruct", "model.policy", "model")  # the hub answers: it exists
+    assert hub.asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    check_pretrained_folder("org/cached", "model.policy", "model")  # offline, from the cache
+    with pytest.raises(FileNotFoundError, match="is not in the hub cache"):
+        check_pretrained_folder("org/cached", "model.tokenizer", "tokenizer")  # the cache holds no tokenizer
+    assert hub.asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
