@@ -47,6 +47,9 @@ class Sampling:
             )
 
 
+OPTIONAL_TENSORS = ("logp", "scores", "reward", "turn_rewards", "turn_index", "version")  # Rollout's, None or [B, ...]
+
+
 @dataclass
 class Rollout:
     """``B`` completions (``n`` per prompt, rows of a group adjacent) and everything known about them.
@@ -75,6 +78,9 @@ class Rollout:
     # and the policy turn of each completion token, -1 on environment tokens and padding.
     turn_rewards: Tensor | None = None  # [B, K] float32
     turn_index: Tensor | None = None  # [B, T] long
+    # Pipelined rollouts (``max_off_policy_steps`` >= 1): the policy version that sampled each row, counted in
+    # training steps taken before its weights were pushed to the sampler; None: sampled by the current policy.
+    version: Tensor | None = None  # [B] long
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -116,12 +122,13 @@ class Rollout:
             loss_mask=self.loss_mask[index],
             turn_rewards=None if self.turn_rewards is None else self.turn_rewards[index],
             turn_index=None if self.turn_index is None else self.turn_index[index],
+            version=None if self.version is None else self.version[index],
         )
 
     def to(self, device: torch.device | str) -> Rollout:
         required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated", "group")
         move = {name: getattr(self, name).to(device) for name in required}
-        optional = {name: getattr(self, name) for name in ("logp", "scores", "reward", "turn_rewards", "turn_index")}
+        optional = {name: getattr(self, name) for name in OPTIONAL_TENSORS}
         return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
 
     @property
@@ -172,6 +179,7 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
         loss_mask=torch.cat([right(r.loss_mask) for r in rollouts]),
         turn_rewards=cat_optional("turn_rewards", _pad_right(max_turns, float("nan"))),
         turn_index=cat_optional("turn_index", _pad_right(width_t, -1)),
+        version=cat_optional("version"),
     )
 
 

@@ -71,19 +71,29 @@ class Collector:
         self.tokenizer = tokenizer
         self.engine.setup(policy, tokenizer)
 
-    def begin_step(self, step: int) -> None:
-        """Start collecting for training batch ``step`` (counted over the run, skipped batches included)."""
-        self.step, self.round, self.stats = step, 0, CollectionStats()
+    def begin_step(self, step: int, collected: CollectionStats | None = None) -> None:
+        """Start collecting for training batch ``step`` (counted over the run, skipped batches included); with
+        ``collected``, the statistics of its first round, collected ahead (``collect_ahead``)."""
+        self.step, self.round, self.stats = step, int(collected is not None), collected or CollectionStats()
 
     def collect(self, batch: dict[str, Any]) -> Rollout:
         """The scored rollout of ``batch``'s prompts, sampled with this step's next seed."""
         seed = stream_seed("rollout", self.seed, self.step, self.round, self.rank)
         self.round += 1
+        return self._collect(batch, seed, self.stats)
+
+    def collect_ahead(self, batch: dict[str, Any], step: int) -> tuple[Rollout, CollectionStats]:
+        """The first round of training batch ``step``, collected before the step trains (pipelined rollouts, on the
+        sampler thread), with statistics of its own; the step being trained is left alone."""
+        stats = CollectionStats()
+        return self._collect(batch, stream_seed("rollout", self.seed, step, 0, self.rank), stats), stats
+
+    def _collect(self, batch: dict[str, Any], seed: int, stats: CollectionStats) -> Rollout:
         started = time.perf_counter()
         rollout = self.sample(batch, seed=seed, logprobs=self.logprobs)
-        self.stats.rollout_s += time.perf_counter() - started
-        self.stats.generated_tokens = self.stats.generated_tokens + rollout.completion_mask.sum()
-        return self.score(rollout, self.stats.reward_errors)
+        stats.rollout_s += time.perf_counter() - started
+        stats.generated_tokens = stats.generated_tokens + rollout.completion_mask.sum()
+        return self.score(rollout, stats.reward_errors)
 
     def collect_more(self) -> Rollout:
         """The scored rollout of the next batch of ``extra_prompts`` (a callback drawing beyond the step's batch)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -26,7 +27,8 @@ from gpo.models.teacher import LocalTeacher, Teacher
 from gpo.parallel import collectives, fsdp
 from gpo.rewards.runner import RewardErrors, RewardFn
 from gpo.rollout.base import Rollout, RolloutEngine
-from gpo.rollout.collector import Collector
+from gpo.rollout.collector import CollectionStats, Collector
+from gpo.rollout.pipeline import Collected, RolloutPipeline
 from gpo.train import preflight
 from gpo.train.checkpointing import AtomicCheckpointIO
 from gpo.train.data import PromptDraws
@@ -79,6 +81,15 @@ class GPOModule(RolloutSource, LightningModule):
             (default, with the function and prompt named) or ``score`` the samples concerned as a fixed value.
         seed: seed of the rollout sampling (see ``gpo.rollout.collector.Collector``); None: the run's seed
             (``seed_everything``), which then sets the whole experiment.
+        max_off_policy_steps: how many training steps the sampler may run ahead of the learner (prime-rl's name).
+            0: sample, then train, in turn. ``s >= 1``: the rollouts of the next ``s`` batches are sampled and scored
+            while the policy trains (``gpo.rollout.pipeline``); the rollout of batch ``j`` is sampled by the policy
+            after ``max(0, j - s)`` training steps and trained after ``j``, whatever the timing, so runs stay
+            reproducible and resume exactly. Needs ``old_logprobs: rollout`` (the sampler's log-probs are the
+            behaviour policy the gates and ``correction`` work from). ``HFEngine`` then runs in a worker process on
+            a copy of the weights, pushed after every training step.
+        sampler_threads: torch threads of that worker process; None: half of this process's, the trainer keeping
+            the rest.
     """
 
     def __init__(
@@ -108,6 +119,8 @@ class GPOModule(RolloutSource, LightningModule):
         evaluation: Evaluation | None = None,
         reward_errors: RewardErrors | None = None,
         seed: int | None = None,
+        max_off_policy_steps: int = 0,
+        sampler_threads: int | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -115,6 +128,10 @@ class GPOModule(RolloutSource, LightningModule):
         old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
         parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
         preflight.check_distillation(distill, teacher)
+        self.pipeline = None
+        if max_off_policy_steps:
+            self.pipeline = RolloutPipeline(engine, max_off_policy_steps, sampler_threads, old_logprobs)
+            engine = self.pipeline.engine
         objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
                                     masks=masks, distill=distill)  # fmt: skip
         self.advantage, self.step_rewards = parts.advantage, step_rewards
@@ -151,6 +168,8 @@ class GPOModule(RolloutSource, LightningModule):
         preflight.check_run(self, self._trainer)
         self.collector.rank = collectives.rank()
         self.collector.setup(self.model, self.tokenizer)
+        if self.pipeline is not None:
+            self.pipeline.split_threads()
         if self.teacher is not None:
             self.teacher.setup(self.tokenizer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
@@ -182,7 +201,8 @@ class GPOModule(RolloutSource, LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
-        checkpoint["gpo"] = {**run_state(drawn, self.learner.nonfinite.streak), "run": describe_run(self),
+        pipeline = self.pipeline.state() if self.pipeline is not None else None  # waits for what is in flight
+        checkpoint["gpo"] = {**run_state(drawn, self.learner.nonfinite.streak, pipeline), "run": describe_run(self),
                              "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -190,8 +210,12 @@ class GPOModule(RolloutSource, LightningModule):
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))
+        if self.pipeline is not None:  # before on_train_start: weight pushes there carry the restored version
+            self.pipeline.load_state(self._restored.get("pipeline"))
 
     def on_train_start(self) -> None:
+        if self.pipeline is not None:  # the worker's copy was made before a checkpoint's weights were loaded
+            self.pipeline.push(self.model)
         drawn = self._restored.get("extra_batches_drawn", 0)
         self.collector.extra_prompts = PromptDraws(self.trainer.train_dataloader, self.collector.seed, drawn)
         if "random_state" in self._restored:  # put back last, so nothing between restore and step 1 draws
@@ -202,27 +226,55 @@ class GPOModule(RolloutSource, LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
-        self.collector.begin_step(self.trainer.fit_loop.epoch_loop.total_batch_idx)  # advances on skipped steps too
-        collected = self._rollout(run_prompt_hooks(self.trainer, self, batch))
+        index = self.trainer.fit_loop.epoch_loop.total_batch_idx  # advances on skipped steps too
+        batch = run_prompt_hooks(self.trainer, self, batch)
+        held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)
+        if self.pipeline is None:
+            self.collector.begin_step(index)
+            rollout = self.learner.add_kl_penalty(self.collector.collect(batch)) if held else None
+        else:
+            self.pipeline.submit(functools.partial(self._collect_ahead, batch if held else None, index))
+            ahead = self.pipeline.next()
+            if ahead is None:  # the first max_off_policy_steps batches only fill the pipeline
+                publish(self.trainer, {"pipeline/filling": torch.tensor(1.0, device=self.device)}, log=True)
+                return
+            self.collector.begin_step(ahead.step, ahead.stats)
+            rollout = None if ahead.rollout is None else self.learner.add_kl_penalty(ahead.rollout.to(self.device))
+        collected = self._trainable(rollout)
         if collected is None:
             skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
             publish(self.trainer, {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}, log=True)
             return
-        rollout, mask, collected = *collected, time.perf_counter()
+        rollout, mask, dropped, collected = *collected, time.perf_counter()
         step, step_adv, adv = self._advantages(rollout, mask)
         metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))
+        if self.pipeline is not None:
+            metrics |= self.pipeline.metrics(rollout, dropped, self.device)
+            self.engine.trained_steps += 1
+            self.pipeline.push(self.model)
         self._publish(rollout, step, step_adv, metrics, (started, collected, time.perf_counter()))
 
-    def _rollout(self, batch: dict[str, Any]) -> tuple[Rollout, Tensor] | None:
-        """The scored rollout of ``batch`` after the rollout hooks, and its loss mask ``[B, T]``; None when the step
-        cannot train: a rank has too few rows, or no rank has a token left in the loss (all ranks skip together)."""
-        held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)
-        rollout = run_rollout_hooks(self.trainer, self, self._collect(batch)) if held else None
+    def _collect_ahead(self, batch: dict[str, Any] | None, index: int) -> Collected:
+        """Batch ``index``'s rollout, collected on the sampler thread (pipelined rollouts)."""
+        if batch is None:
+            return Collected(index, None, CollectionStats())
+        rollout, stats = self.collector.collect_ahead(batch, index)
+        return Collected(index, rollout, stats)
+
+    def _trainable(self, rollout: Rollout | None) -> tuple[Rollout, Tensor, int] | None:
+        """``rollout`` after the rollout hooks (and without rows staler than the pipeline's bound), its loss mask
+        ``[B, T]`` and the count of stale rows dropped; None when the step cannot train: a rank has too few rows, or
+        no rank has a token left in the loss (all ranks skip together)."""
+        dropped = 0
+        if rollout is not None and self.pipeline is not None:
+            rollout, dropped = self.pipeline.within_bound(rollout)
+        if rollout is not None and len(rollout):
+            rollout = run_rollout_hooks(self.trainer, self, rollout)
         rows = len(rollout) if rollout is not None else 0
         if not collectives.every_rank_holds(rows, self.optim.number_of_minibatches, self.device):
             return None
         mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
-        return (rollout, mask) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None
+        return (rollout, mask, dropped) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None
 
     def _publish(self, rollout, step, step_adv, metrics, clock: tuple[float, float, float]) -> None:
         """The step's metrics to the callbacks and progress bar, and to the loggers when logging is due."""
@@ -252,8 +304,9 @@ class GPOModule(RolloutSource, LightningModule):
         """Another batch of training prompts, sampled and scored (``DynamicSampling`` calls it)."""
         return self.learner.add_kl_penalty(self.collector.collect_more())
 
-    def _collect(self, batch: dict[str, Any]) -> Rollout:
-        return self.learner.add_kl_penalty(self.collector.collect(batch))
+    def teardown(self, stage: str) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
 

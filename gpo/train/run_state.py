@@ -46,12 +46,14 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def run_state(extra_batches_drawn: int, nonfinite_streak: int) -> dict[str, Any]:
+def run_state(
+    extra_batches_drawn: int, nonfinite_streak: int, pipeline: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """This run's state for ``checkpoint["gpo"]``. Under DDP each rank has its own draws (extra prompt batches,
-    generators): every rank's are gathered (a collective: every rank calls it) and kept under ``ranks``."""
-    ranks = collectives.gather_objects(
-        {"random_state": capture_random_state(), "extra_batches_drawn": extra_batches_drawn}
-    )
+    generators) and its own rollouts collected ahead (``pipeline``): every rank's are gathered (a collective: every
+    rank calls it) and kept under ``ranks``."""
+    own = {"random_state": capture_random_state(), "extra_batches_drawn": extra_batches_drawn}
+    ranks = collectives.gather_objects(own if pipeline is None else {**own, "pipeline": pipeline})
     state = {**ranks[0], "nonfinite_streak": nonfinite_streak}
     return {**state, "ranks": ranks} if len(ranks) > 1 else state
 

@@ -40,6 +40,7 @@ model:
   policy: {root}/model
   rewards: [tests.parallel.ddp_step.even_digit_sum]
   group_size: 4
+  max_off_policy_steps: {lag}
   algorithm: {{class_path: gpo.algo.GRPO, init_args: {{ppo_clip: {{}}}}}}
   entropy: {{coef: 0.01}}
   engine: {{class_path: gpo.rollout.HFEngine, init_args: {{sampling: {{max_new_tokens: 4}}}}}}
@@ -50,12 +51,14 @@ data:
 """
 
 
-@pytest.fixture(scope="module")
-def config(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=[0, 1], ids=["synchronous", "pipelined"])
+def config(tmp_path_factory, request) -> Path:
+    """The run above, synchronous or with each rank's sampler one step ahead (``max_off_policy_steps: 1``: each rank
+    has its own worker process, and its rollout collected ahead is part of the checkpoint)."""
     root = tmp_path_factory.mktemp("ddp_fit")
     save_tiny_model(root / "model", "llama", seed=0)
     write_jsonl(make_task("sort_digits", 20, seed=0), root / "train.jsonl")
-    (root / "config.yaml").write_text(CONFIG.format(root=root))
+    (root / "config.yaml").write_text(CONFIG.format(root=root, lag=request.param))
     return root / "config.yaml"
 
 

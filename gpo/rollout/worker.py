@@ -1,0 +1,139 @@
+"""ProcessEngine: an engine that samples from the trained policy (``HFEngine``) run in a process of its own, on a copy
+of the policy's weights, so that sampling and training each get their own cores."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import traceback
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling
+
+POLL_S = 0.2  # how often a waiting caller checks that the worker is still alive
+
+
+class RolloutWorkerDied(RuntimeError):
+    """The worker process ended while the trainer waited on it."""
+
+
+class ProcessEngine(RolloutEngine):
+    """Runs ``engine`` (one that samples from the module it is set up with, such as ``HFEngine``) in a spawned worker
+    process, on a copy of the policy whose parameters live in shared memory.
+
+    ``setup`` copies the policy once into shared memory and starts the worker; ``update_weights`` copies new values
+    of the trainable parameters into that copy (names as in the policy's ``named_parameters``), which the worker sees
+    at once: call it only between ``generate`` calls, from the thread that calls ``generate`` (the rollout pipeline
+    does both from its sampler thread). A worker that dies is reported (pid and exit code) instead of waited on.
+
+    Args:
+        engine: the engine to run in the worker; it must share the policy's weights (``shares_policy_weights``).
+        threads: torch threads of the worker process.
+    """
+
+    shares_policy_weights = False
+
+    def __init__(self, engine: RolloutEngine, *, threads: int = 1) -> None:
+        if not engine.shares_policy_weights:
+            raise ValueError(f"ProcessEngine runs engines that sample from the policy, not {type(engine).__name__}.")
+        if threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1 (torch threads of the rollout worker).")
+        self.engine, self.threads, self.sampling = engine, threads, engine.sampling
+        self.process: Any = None
+        self.connection: Connection | None = None
+        self.parameters: dict[str, Tensor] = {}
+
+    def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        copied = copy.deepcopy(policy).requires_grad_(False)
+        copied.share_memory()  # the worker maps these very storages: an update is a copy, not a transfer
+        self.parameters = dict(copied.named_parameters())
+        context = torch.multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=serve, args=(self.engine, copied, tokenizer, self.threads, child), name="gpo-rollout-worker",
+            daemon=True,
+        )  # fmt: skip
+        self.process.start()
+        child.close()
+        self._call("ready")
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        greedy: bool = False,
+        seed: int | None = None,
+        logprobs: bool = True,
+        sampling: Sampling | None = None,
+    ) -> Rollout:
+        return self._call("generate", prompt_ids, n, greedy=greedy, seed=seed, logprobs=logprobs, sampling=sampling)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            if name not in self.parameters:
+                raise KeyError(f"ProcessEngine.update_weights: the policy has no parameter {name!r}.")
+            self.parameters[name].copy_(tensor)
+
+    def close(self) -> None:
+        """Stop the worker (it finishes nothing pending: callers stop calling first)."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):  # a worker that just died: nothing to tell it
+                self.connection.send(None)
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.connection.close()
+        self.process = self.connection = None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.process is None:
+            raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
+        try:
+            self.connection.send((method, args, kwargs))
+            while not self.connection.poll(POLL_S):
+                if not self.process.is_alive():
+                    raise EOFError
+            status, value = self.connection.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError) as err:
+            self.process.join(timeout=5)
+            raise RolloutWorkerDied(
+                f"the rollout worker process (pid {self.process.pid}) ended with exit code {self.process.exitcode} "
+                f"during {method}; the run stops (see its output above for the cause: out of memory is exit code "
+                "-9). Resume from the last checkpoint with --ckpt_path last."
+            ) from err
+        if status == "error":
+            raise RuntimeError(f"the rollout worker failed in {method}:\n{value}")
+        return value
+
+
+def serve(
+    engine: RolloutEngine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int,
+    connection: Connection,
+) -> None:  # fmt: skip
+    """The worker process: answer ``(method, args, kwargs)`` requests until ``None`` or the pipe closes."""
+    torch.set_num_threads(threads)
+    engine.setup(policy, tokenizer)
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        method, args, kwargs = request
+        try:
+            value = engine.generate(*args, **kwargs) if method == "generate" else None
+            connection.send(("ok", value))
+        except Exception:  # sent to the trainer, which raises it with the worker's traceback
+            connection.send(("error", traceback.format_exc()))

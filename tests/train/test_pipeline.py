@@ -1,0 +1,151 @@
+"""Pipelined rollouts (``max_off_policy_steps``): the sampler runs ahead of the learner by a fixed number of training
+steps, in a worker process for HFEngine; staleness is bounded and stamped, runs are deterministic, a worker that
+dies stops the run with a message, and the reward still rises."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from typing_extensions import override
+
+from gpo.rollout import Rollout, RolloutEngine, Sampling
+from gpo.rollout.base import concat_rollouts
+from gpo.rollout.pipeline import RolloutPipeline
+from gpo.rollout.worker import RolloutWorkerDied
+from gpo.train.hooks import RolloutCallback
+from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
+from tests.vllm_engines import needs_vllm, tiny_vllm_engine
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return write_assets(tmp_path_factory.mktemp("pipeline"), examples=2000)
+
+
+class Stamps(RolloutCallback):
+    """Per trained step: the policy's training steps so far, and the versions stamped on the rollout's rows."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+
+    @override
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.seen.append((pl_module.engine.trained_steps, rollout.version.tolist()))
+
+
+class Rewards(L.Callback):
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.callback_metrics.get("pipeline/filling", 0) == 0:
+            self.rewards.append(float(trainer.callback_metrics["reward"]))
+
+
+def fit(workspace, steps: int, lag: int, *callbacks, **module_kwargs):
+    model, data = workspace
+    L.seed_everything(0)
+    module = tiny_module(model, group_size=8, max_off_policy_steps=lag, **module_kwargs)
+    trainer = quiet_trainer(steps, list(callbacks))
+    trainer.fit(module, prompts(model, data, 8))
+    return module, trainer
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_every_rollout_is_sampled_exactly_min_j_lag_steps_before_it_trains(workspace, lag):
+    stamps, threads = Stamps(), torch.get_num_threads()
+    module, trainer = fit(workspace, 8, lag, stamps)
+    assert trainer.global_step == 8 and len(stamps.seen) == 8
+    for trained, versions in stamps.seen:  # rollout j trains after j steps, sampled after max(0, j - lag)
+        assert versions == [max(0, trained - lag)] * len(versions)
+    assert float(trainer.callback_metrics["pipeline/staleness_max"]) == lag
+    assert float(trainer.callback_metrics["pipeline/dropped_stale"]) == 0
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 8 + lag  # the first `lag` only filled
+    assert module.pipeline.worker.process is None  # the worker stopped when training ended
+    assert torch.get_num_threads() == threads  # the threads left to the worker are given back
+
+
+def test_two_runs_with_the_same_seed_end_with_the_same_weights(workspace):
+    first, _ = fit(workspace, 6, 1)
+    second, _ = fit(workspace, 6, 1)
+    for (name, a), b in zip(first.policy.named_parameters(), second.policy.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_reward_rises_with_the_sampler_one_step_ahead(workspace):
+    rewards = Rewards()
+    fit(workspace, 150, 1, rewards)
+    first, last = sum(rewards.rewards[:25]) / 25, sum(rewards.rewards[-25:]) / 25
+    assert last > first + 0.1, (first, last)
+
+
+class KillWorker(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            pl_module.pipeline.worker.process.kill()
+
+
+def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
+    with pytest.raises(RolloutWorkerDied, match=r"rollout worker process \(pid \d+\) ended with exit code -9"):
+        fit(workspace, 10, 1, KillWorker())
+
+
+class OwnWeights(RolloutEngine):
+    """An engine with weights of its own (as vLLM's): it records the pushes it gets."""
+
+    def __init__(self) -> None:
+        self.sampling, self.pushed = Sampling(max_new_tokens=2), []
+
+    def generate(self, prompt_ids, n, **kwargs) -> Rollout:
+        rows = len(prompt_ids) * n
+        ids = torch.ones(rows, 2, dtype=torch.long)
+        return Rollout(ids, ids, ids, ids, torch.zeros(rows, dtype=torch.bool), torch.arange(rows) // n)
+
+    def update_weights(self, named_tensors) -> None:
+        self.pushed.append(dict(named_tensors))
+
+
+def test_rows_staler_than_the_bound_are_dropped_and_counted():
+    pipeline = RolloutPipeline(OwnWeights(), lag=1, sampler_threads=None, old_logprobs="rollout")
+    try:
+        rollout = pipeline.engine.generate([[5], [6]], 2)
+        assert rollout.version.tolist() == [0, 0, 0, 0]
+        pipeline.engine.trained_steps = 2
+        weight = torch.zeros(3)
+        pipeline.engine.update_weights([("w", weight)])
+        weight += 1  # training goes on: the push holds the value of the call
+        fresh = pipeline.engine.generate([[7]], 2)  # after the push: sampled by version 2
+        assert fresh.version.tolist() == [2, 2] and torch.equal(pipeline.engine.engine.pushed[0]["w"], torch.zeros(3))
+        pipeline.engine.trained_steps = 3
+        kept, dropped = pipeline.within_bound(concat_rollouts([rollout, fresh]))
+        assert dropped == 4 and kept.version.tolist() == [2, 2]
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"old_logprobs": "trainer"}, r"old-policy log-probs must be the sampler's: set model.old_logprobs: rollout"),
+        ({"max_off_policy_steps": -1}, r"model.max_off_policy_steps=-1 must be >= 0"),
+        ({"sampler_threads": 0}, r"model.sampler_threads=0 must be >= 1"),
+    ],
+)
+def test_settings_a_pipeline_cannot_run_are_refused(workspace, settings, message):
+    model, _ = workspace
+    with pytest.raises(ValueError, match=message):
+        tiny_module(model, **{"max_off_policy_steps": 1, **settings})
+
+
+@needs_vllm
+def test_vllm_engine_runs_ahead_with_its_weight_pushes_and_checks_in_order(workspace):
+    from gpo.callbacks import VLLMWeightSync
+
+    stamps = Stamps()
+    sync = VLLMWeightSync(verify_every_k=2, max_logprob_diff=1e-3)  # verifications go through the sampler's queue
+    engine = tiny_vllm_engine(sampling=Sampling(max_new_tokens=4))
+    _, trainer = fit(workspace, 6, 1, stamps, sync, engine=engine)
+    assert [versions[0] for _, versions in stamps.seen] == [0, 0, 1, 2, 3, 4]  # pushed after each step, one behind
+    assert float(trainer.callback_metrics["weight_sync/logprob_diff_max"]) < 1e-3
+    assert int(trainer.callback_metrics["weight_sync/count"]) == 7  # at the start and after each of the 6 steps
