@@ -18,6 +18,7 @@ _HOMES = {
     "ExportPolicy": "gpo.callbacks.export_policy",
     "ResumeCheckpoint": "gpo.callbacks.resume_checkpoint",
     "RolloutMonitor": "gpo.callbacks.rollout_monitor",
+    "StepProgressBar": "gpo.callbacks.step_progress",
     "VLLMWeightSync": "gpo.callbacks.vllm_weight_sync",
 }
 

@@ -1,8 +1,10 @@
-"""The ``gpo`` command: ``gpo fit --config configs/grpo.yaml`` (LightningCLI), ``gpo tiny OUT`` (local test assets),
-``gpo plot RUN_DIR`` (reward and length curves) and ``gpo export CONFIG CKPT OUT`` (checkpoint to transformers)."""
+"""The ``gpo`` command: ``gpo fit --config quickstart`` (LightningCLI; ``gpo validate`` likewise), ``gpo tiny OUT``
+(local test assets), ``gpo plot RUN_DIR`` (reward and length curves) and ``gpo export CONFIG CKPT OUT`` (checkpoint to
+transformers). ``gpo --help`` lists them."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 
@@ -10,9 +12,16 @@ from jsonargparse import ArgumentError
 
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
 from gpo.cli.errors import explain
-from gpo.cli.fit import GPOCLI, default_loggers
+from gpo.cli.fit import GPOCLI, SUBCOMMANDS, default_loggers
+from gpo.cli.shipped import config_files, with_shipped_configs
 
-COMMANDS = {"tiny": make_tiny, "plot": plot_curves, "export": export_checkpoint_command}
+#: The small commands, by name: the function that runs one (given the arguments after its name) and its line in
+#: ``gpo --help``.
+COMMANDS = {
+    "tiny": (make_tiny, "write a tiny random model and a synthetic task's prompts for a CPU run (no download)"),
+    "plot": (plot_curves, "plot a run's reward and completion-length curves from its metrics.csv into a PNG"),
+    "export": (export_checkpoint_command, "save the policy of a checkpoint as a transformers folder"),
+}
 #: Errors that report a configuration or input problem in words a person can act on: printed without traceback.
 USER_ERRORS = (
     ArgumentError,
@@ -30,14 +39,40 @@ __all__ = ["GPOCLI", "default_loggers", "main", "run"]
 
 def main(argv: list[str] | None = None) -> None:
     """Run a ``gpo`` command; ``argv`` defaults to the command line."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(overview())
+        return
+    if args[0] in COMMANDS:
+        COMMANDS[args[0]][0](args[1:])
+        return
+    if args[0] not in SUBCOMMANDS and not args[0].startswith("-"):
+        close = difflib.get_close_matches(args[0], [*SUBCOMMANDS, *COMMANDS], n=1)
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"unknown command {args[0]!r}; {guess}gpo --help lists the commands.")
     from gpo.train.data import PromptDataModule
     from gpo.train.module import GPOModule
 
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] and args[0] in COMMANDS:
-        COMMANDS[args[0]](args[1:])
-        return
+    args = with_shipped_configs(args)
     GPOCLI(GPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+def overview() -> str:
+    """``gpo --help``: every command with its line."""
+    lines = {**SUBCOMMANDS, **{name: line for name, (_, line) in COMMANDS.items()}}
+    width = max(map(len, lines)) + 2
+    return "\n".join(
+        [
+            "usage: gpo COMMAND [options]",
+            "",
+            "Group-based policy optimisation (GRPO and its family) of language models, on PyTorch Lightning.",
+            "",
+            "commands:",
+            *(f"  {name:<{width}}{line}" for name, line in lines.items()),
+            "",
+            "gpo COMMAND --help shows a command's options; docs/cli.md has more.",
+        ]
+    )
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -47,26 +82,16 @@ def run(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     try:
+        args = with_shipped_configs(args)
         main(args)
     except (*USER_ERRORS, CheckpointError) as error:
         if os.environ.get("GPO_TRACEBACK"):
             raise
-        command = " ".join(["gpo", *args[:1]])
+        command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         text = explain(str(error), config_files(args), known_groups())
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists the settings)",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
-
-
-def config_files(args: list[str]) -> list[str]:
-    """The files named by ``--config``/``-c`` in ``args``."""
-    files = []
-    for index, arg in enumerate(args):
-        if arg in ("--config", "-c") and index + 1 < len(args):
-            files.append(args[index + 1])
-        elif arg.startswith("--config="):
-            files.append(arg.split("=", 1)[1])
-    return files
 
 
 def known_groups() -> dict[str, type]:

@@ -52,6 +52,14 @@ MOVED_PATHS: dict[str, str] = {
     "gpo.algo.AlgorithmKnobs": "the preset classes' own settings (gpo.algo.GRPO, DAPO, ...)",
 }
 
+#: LightningCLI settings that ``gpo fit`` does not offer, by key: what sets the same thing in gpo.
+REPLACED_KEYS: dict[str, str] = {
+    "optimizer": "gpo fit has no optimizer setting: the optimiser is AdamW, set by model.optim (lr, weight_decay, "
+    "max_grad_norm), e.g. --model.optim.lr=1e-5",
+    "lr_scheduler": "gpo fit has no lr_scheduler setting: the schedule is model.optim.lr_schedule (constant, linear "
+    "or cosine) with model.optim.warmup_steps",
+}
+
 JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
 _UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
@@ -86,8 +94,8 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
 
 def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     """The key the message is about, the problem in one line, and whether the key itself is unknown."""
-    parser_key = _PARSER_KEY.search(message)
-    group = parser_key.group(1) if parser_key else None
+    # nested accounts name each level's key: "model.engine", then inside its class "sampling"
+    group = ".init_args.".join(_PARSER_KEY.findall(message)) or None
     rejected = _NOT_ACCEPTED.search(message)
     if group and rejected:
         cls, option = rejected.group(1), rejected.group(2) or rejected.group(3)
@@ -117,16 +125,18 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
     for old, new in MOVED_KEYS.items():
         if key == old or key.startswith(old + "."):
             return [f"{old} moved: {new}."]
+    for lightning, instead in REPLACED_KEYS.items():
+        if key == lightning or key.startswith(lightning + "."):
+            return [f"{instead}."]
     group, _, name = key.rpartition(".")
     if group.endswith(".init_args"):
         group = group.removesuffix(".init_args")
     owner = known.get(group)
     choices = _parameters(owner) if owner is not None else []
     close = difflib.get_close_matches(name, choices, n=1)
-    hints = [f"did you mean {group}.{close[0]}?"] if close else []
-    if choices:
-        hints.append(f"{group} takes: {', '.join(choices)}.")
-    return hints
+    if close:
+        return [f"did you mean {group}.{close[0]}?"]
+    return [f"{group} takes: {', '.join(choices)}."] if choices else []
 
 
 def _import(path: str) -> Any:

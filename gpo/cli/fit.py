@@ -4,13 +4,21 @@ export) and configuration errors that name the key, the file and the fix."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Literal
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from gpo.callbacks import ExportPolicy, ResumeCheckpoint
+from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
+from gpo.cli import helptext
 from gpo.train.loggers import default_loggers
+
+#: The Trainer methods ``gpo`` runs, with their line in ``gpo --help`` (GPOModule has no test or predict step).
+SUBCOMMANDS = {
+    "fit": "train a policy, e.g. gpo fit --config quickstart",
+    "validate": "evaluate a policy or a checkpoint (--ckpt_path) on the held-out prompts, without training",
+}
 
 
 class GPOCLI(LightningCLI):
@@ -18,20 +26,40 @@ class GPOCLI(LightningCLI):
     transformers' ``generate`` (``HFEngine``) unless ``model.engine`` names another, which logs to CSV and
     TensorBoard under ``trainer.default_root_dir`` unless ``--trainer.logger`` says otherwise, which keeps
     ``<default_root_dir>/checkpoints/last.ckpt`` current (``ResumeCheckpoint``) unless ``trainer.callbacks`` holds a
-    ``ModelCheckpoint`` or ``trainer.enable_checkpointing`` is false, and which exports the policy when training
-    ends (``ExportPolicy``) unless ``export: none``. ``--ckpt_path last`` resumes the run and appends to its newest
-    log folder."""
+    ``ModelCheckpoint`` or ``trainer.enable_checkpointing`` is false, which exports the policy when training ends
+    (``ExportPolicy``) unless ``export: none``, and whose progress bar counts optimiser steps towards
+    ``trainer.max_steps`` (``StepProgressBar``) unless ``trainer.callbacks`` holds a progress bar. ``--ckpt_path
+    last`` resumes the run and appends to its newest log folder. ``--help`` shows gpo's settings and the most used
+    of the trainer's; ``--help-all`` shows Lightning's full help."""
 
     def __init__(self, *args, **kwargs) -> None:
         # gpo builds its optimiser from model.optim: Lightning's --optimizer / --lr_scheduler would be ignored
         kwargs.setdefault("auto_configure_optimizers", False)
+        argv = kwargs.get("args")
+        argv = sys.argv[1:] if argv is None else argv
+        self.full_help = isinstance(argv, list | tuple) and helptext.FULL_HELP in argv
         super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's ``fit`` and ``validate`` (``SUBCOMMANDS``), with the Trainer arguments each skips."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def init_parser(self, **kwargs):
         kwargs.setdefault("exit_on_error", False)  # errors are raised, and gpo.cli.run prints them short
-        return super().init_parser(**kwargs)
+        kwargs.setdefault("formatter_class", helptext.HelpFormatter)
+        parser = super().init_parser(**kwargs)
+        helptext.describe_config(parser)
+        return parser
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        for name, line in SUBCOMMANDS.items():
+            subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
 
     def parse_arguments(self, parser, args) -> None:
+        if isinstance(args, list | tuple):
+            args = ["--help" if arg == helptext.FULL_HELP else arg for arg in args]
         self.config = parser.parse_args(args)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -44,6 +72,8 @@ class GPOCLI(LightningCLI):
             help="save the policy to <log dir>/export when training ends: merged (LoRA merged into the weights), "
             "adapter (the LoRA adapter alone) or none",
         )
+        if not self.full_help:
+            helptext.focus(parser)
 
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
@@ -61,6 +91,9 @@ class GPOCLI(LightningCLI):
         export = self._get(self.config_init, "export", default="merged")
         if export != "none" and not any(isinstance(c, ExportPolicy) for c in callbacks):
             added.append(ExportPolicy(mode=export))
+        wants_progress = trainer.get("enable_progress_bar") is not False
+        if wants_progress and not any(isinstance(c, ProgressBar) for c in callbacks):
+            added.append(StepProgressBar())
         if added:
             kwargs["callbacks"] = [*configured, *added]
         return super().instantiate_trainer(**kwargs)

@@ -145,6 +145,18 @@ def warn_if_no_trust_region(updates_per_rollout: int, gate: RatioGate) -> None:
         )
 
 
+def check_router_inputs(requires: frozenset[str], gate: RatioGate, model: Any) -> None:
+    """An objective that reads router log-probs (``requires``: RSPO's ``RouterShiftGate``) needs a mixture-of-experts
+    policy; transformers' MoE models are those whose config has ``output_router_logits``."""
+    if not requires & {"router_logp", "old_router_logp"} or hasattr(model.config, "output_router_logits"):
+        return
+    raise ValueError(
+        f"model.algorithm: {type(gate).__name__} (RSPO) weights tokens by how far a mixture-of-experts router moved, "
+        f"but model.policy ({type(model).__name__}) has no router. Use a mixture-of-experts policy (e.g. gpo tiny "
+        "--arch qwen2_moe), or GMPO (RSPO without the router weight) for a dense one: model.algorithm: gmpo."
+    )
+
+
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
     try:
         return list(inspect.signature(fn).parameters.values())
@@ -217,8 +229,8 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
 
 
 def check_run(module, trainer) -> None:
-    """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, reward columns,
-    context length, minibatch split, strategy."""
+    """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, router inputs, reward
+    columns, context length, minibatch split, strategy."""
     from gpo.parallel import collectives, fsdp
     from gpo.train.data import PromptDataModule
 
@@ -226,6 +238,8 @@ def check_run(module, trainer) -> None:
         raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
     embedding_rows = module.model.get_input_embeddings().num_embeddings
     check_tokenizer(module.tokenizer, "model.tokenizer, by default model.policy's folder", embedding_rows)
+    objective = module.learner.objective
+    check_router_inputs(objective.requires, objective.gate, module.model)
     data = trainer.datamodule if trainer is not None else None
     if isinstance(data, PromptDataModule):  # checks against the loaded prompts, before any sampling
         collector, optim = module.collector, module.optim
@@ -235,6 +249,6 @@ def check_run(module, trainer) -> None:
         check_minibatches(data.prompts_per_step, collector.group_size, optim.number_of_minibatches,
                           collectives.world_size())  # fmt: skip
     updates = module.optim.number_of_minibatches * module.optim.ppo_epochs
-    warn_if_no_trust_region(updates, module.learner.objective.gate)
+    warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
         fsdp.check_strategy(trainer.strategy)

@@ -114,6 +114,12 @@ def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):
     assert "2 optimiser updates per rollout" in caplog.text and "ppo_clip: {}" in caplog.text
 
 
+def test_rspo_on_a_mixture_of_experts_model_reaches_sampling(root, tmp_path):
+    save_tiny_model(tmp_path / "moe", "qwen2_moe")
+    with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # the router check lets it through
+        fit(root, "--model.algorithm=rspo", f"--model.policy={tmp_path / 'moe'}")
+
+
 def test_a_policy_that_is_neither_a_folder_nor_a_hub_model(root, monkeypatch):
     import huggingface_hub.constants
 
@@ -183,6 +189,8 @@ CLI_CASES = [
     bad("token_sum_norm_reads_max_completion_length", "--model.algorithm=DrGRPO",
         "--model.algorithm.max_completion_length=64", field="max_completion_length=64 is read only with",
         fix="loss_agg_mode: token_sum_norm"),
+    bad("rspo_on_a_dense_model", "--model.algorithm=rspo", field="model.algorithm: RouterShiftGate (RSPO)",
+        fix="model.algorithm: gmpo"),
     # ---- paths, tokenizer and data ------------------------------------------------------------------------------
     bad("missing_model_path", "--model.policy={root}/no_such_model", error=FileNotFoundError,
         field="model.policy='{root}/no_such_model': no such folder", fix="written by save_pretrained"),

@@ -40,12 +40,18 @@ def router_shift_weight(router_logp: Tensor, old_router_logp: Tensor, top_k: int
 class RouterShiftGate(GeometricMeanGate):
     """RSPO (Zhang et al. 2025, "Towards Stable and Effective RL for Mixture-of-Experts"), as in seed 003.
 
-    ``score_i = [prod_t (W_t * gamma_t)]^(sgn(A_i) / |o_i|) * A_i`` with
-    ``W_t = min(w_t^sgn(A_i), clip(w_t^sgn(A_i), e^-clip_low, e^clip_high))`` (GMPO's token clipping) and the
-    router-shift ratio ``gamma_t`` from ``router_shift_weight`` (floored at ``gamma_min``, stop-gradient),
-    applied after clipping. In log space: ``log score_i / A_i = mean_t l_t + sgn(A_i) mean_t log gamma_t``
-    with ``l_t`` GMPO's clipped log-ratio. Note what the sign exponent implies: for ``A_i > 0`` the sequence
+    ``score_i = [prod_t (W_t * gamma_t)]^(sgn(A_i) / |o_i|) * A_i`` with GMPO's token clipping
+    ``W_t = min(w_t^s, clip(w_t, e^-clip_low, e^clip_high)^s)``, ``s = sgn(A_i)``, and the router-shift ratio
+    ``gamma_t`` from ``router_shift_weight`` (floored at ``gamma_min``, stop-gradient), applied after clipping. In
+    log space: ``log(score_i / A_i) = mean_t l_t + s mean_t log gamma_t`` with ``l_t = min(log w_t, clip_high)`` if
+    ``A_i > 0`` else ``max(log w_t, -clip_low)``. Note what the sign exponent implies: for ``A_i > 0`` the sequence
     is damped by ``geomean(gamma) <= 1``; for ``A_i < 0`` the formula scales it by ``geomean(gamma)^-1``.
+
+    Departure from the seed's text: it writes ``clip(w_t^s, eps_1, eps_2)``, clipping the ratio after the sign
+    power; then ``eps_1`` never binds (``min(x, clip(x, a, b)) = min(x, b)``) and ``eps_2`` bounds both sides, so
+    a negative-advantage token's ratio would be floored at ``1/eps_2``. We clip ``w_t`` itself, as GMPO does (the
+    seed's GMPO section, and RSPO keeps GMPO's token clipping): ``clip_low`` bounds how far a ratio may fall
+    (negative advantages), ``clip_high`` how far it may rise (positive ones).
 
     Inputs beyond the log-probs: ``router_logp`` and ``old_router_logp``, ``[L, B, T, E]`` log routing
     probabilities at the completion's positions (see ``router_logprobs``).

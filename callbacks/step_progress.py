@@ -1,0 +1,56 @@
+"""StepProgressBar: a progress bar that counts optimiser steps towards ``trainer.max_steps``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from typing_extensions import override
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, counting optimiser steps (``trainer.global_step``) out of ``trainer.max_steps`` over the
+    whole run when ``max_steps`` is set (``Epoch 2, step: 15%|...| 152/1000``).
+
+    Lightning's own bar counts the batches of the current epoch, and for a run bounded by ``max_steps`` alone caps
+    that total at the steps left; a batch that takes several optimiser steps (``model.optim.number_of_minibatches``
+    or ``ppo_epochs`` above 1) or a resumed run then shows totals such as ``152/1``. Without ``max_steps`` this bar
+    is Lightning's. Metrics that reach the bar as tensors (gpo publishes them without a host copy) are shown as
+    numbers. Needs nothing from the LightningModule.
+
+    Args:
+        refresh_rate: redraw the bar every this many batches (and at the last step).
+    """
+
+    def __init__(self, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)  # one bar for the whole run: none is left behind per epoch
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_epoch_start(trainer)
+            return
+        bar = self.train_progress_bar
+        if bar.total != trainer.max_steps:  # the run's first epoch here: count on from the steps already done
+            bar.reset(total=trainer.max_steps)
+            bar.initial = bar.n = trainer.global_step
+        bar.set_description(f"Epoch {trainer.current_epoch}, step")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.max_steps <= 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        bar = self.train_progress_bar
+        if (batch_idx + 1) % self.refresh_rate == 0 or trainer.global_step >= trainer.max_steps:
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in metrics.items()}

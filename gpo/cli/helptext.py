@@ -1,0 +1,116 @@
+"""What ``gpo fit --help`` shows: gpo's own settings first, the most used of Lightning's trainer settings after them,
+and how to reach the rest (``--help-all``, nested settings, algorithm names, shipped configs)."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
+
+from gpo.cli.shipped import shipped_configs
+
+#: The flag that shows Lightning's full help instead of the focused one.
+FULL_HELP = "--help-all"
+#: Lightning's trainer settings that the focused help keeps (the others are still accepted; --help-all lists them).
+TRAINER_KEYS = (
+    "trainer.max_steps",
+    "trainer.accelerator",
+    "trainer.devices",
+    "trainer.strategy",
+    "trainer.precision",
+    "trainer.default_root_dir",
+    "trainer.val_check_interval",
+    "trainer.log_every_n_steps",
+    "trainer.enable_progress_bar",
+)
+SETTINGS = (
+    "Settings come from YAML files (--config) and flags (--model.group_size 8), later ones overriding earlier ones: "
+    "gpo's are model.*, data.* and export, Lightning's trainer.*."
+)
+CONFIG_HELP = (
+    "a YAML file, or the name of a config shipped with gpo (e.g. quickstart, dapo); give --config several times to "
+    "combine files, later ones overriding earlier ones."
+)
+
+
+def description(line: str) -> str:
+    """A subcommand's help text from its line in ``gpo --help``, with where its settings come from."""
+    return textwrap.fill(f"{line[0].upper()}{line[1:]}. {SETTINGS}", 100)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's formatter (types and defaults), with the description and epilog printed as written."""
+
+
+def describe_config(parser: ArgumentParser) -> None:
+    """``--config`` takes a shipped config's name too (``gpo.cli.shipped``): say so in its help."""
+    for action in parser._actions:
+        if "--config" in action.option_strings:
+            action.help = CONFIG_HELP
+
+
+def focus(parser: ArgumentParser) -> None:
+    """Make ``parser``'s help gpo's: Lightning's trainer settings other than ``TRAINER_KEYS`` left out of it (they
+    stay valid settings) and the trainer group moved after gpo's groups, with ``epilog`` below."""
+    for action in parser._actions:
+        trainer_flag = any(flag == "--trainer" or flag.startswith("--trainer.") for flag in action.option_strings)
+        if trainer_flag and action.dest not in TRAINER_KEYS:
+            action.help = argparse.SUPPRESS
+    trainer = parser.groups["trainer"]
+    trainer.title = f"Lightning's Trainer, its most used settings ({FULL_HELP} lists all of them)"
+    trainer.description = None
+    parser._action_groups.remove(trainer)
+    parser._action_groups.append(trainer)
+    parser.usage = "%(prog)s [--config FILE|NAME]... [--model.KEY VALUE] [--data.KEY VALUE] [--trainer.KEY VALUE] ..."
+    parser.epilog = epilog(parser)
+
+
+def epilog(parser: ArgumentParser) -> str:
+    """Where the settings the focused help cannot show are: nested groups, algorithms, shipped configs, the rest."""
+    from gpo.algo import presets
+
+    nested = [flag for action in parser._actions for flag in action.option_strings if _nested_help(flag)]
+    names = ", ".join(presets.ALGORITHMS)
+    classes = [presets.Custom, *(cls for cls in _preset_classes() if cls is not presets.Custom)]
+    return "\n".join(
+        [
+            "Algorithms (model.algorithm):",
+            _wrap(f"by name, with the preset's defaults: {names}."),
+            _wrap(f"by class, to change its settings: {', '.join(cls.__name__ for cls in classes)}."),
+            _wrap(
+                "A class's settings: gpo fit --model.algorithm.help DAPO; set one: --model.algorithm=DAPO "
+                "--model.algorithm.clip_high=0.28."
+            ),
+            "",
+            "Nested settings (a group's fields, or a class's settings with its name):",
+            _wrap(", ".join(nested) + "."),
+            "",
+            "Shipped configs (--config NAME):",
+            _wrap(", ".join(shipped_configs()) + "."),
+            "",
+            "More:",
+            _wrap(
+                f"Lightning's other Trainer settings: gpo fit {FULL_HELP}. trainer.max_steps counts optimiser steps "
+                "(model.optim.number_of_minibatches x ppo_epochs per rollout); the step column of metrics.csv "
+                "counts rollouts. See docs/cli.md."
+            ),
+        ]
+    )
+
+
+def _nested_help(flag: str) -> bool:
+    """A ``--model.X.help`` / ``--data.X.help`` flag: the help of a nested group or class (not the trainer's)."""
+    return flag.endswith(".help") and flag.startswith(("--model.", "--data."))
+
+
+def _preset_classes() -> list[type]:
+    from gpo.algo import presets
+
+    exported = (getattr(presets, name) for name in presets.__all__)
+    return [obj for obj in exported if isinstance(obj, type) and issubclass(obj, presets.Algorithm)
+            and obj is not presets.Algorithm]  # fmt: skip
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    return textwrap.fill(text, width, initial_indent="  ", subsequent_indent="  ")

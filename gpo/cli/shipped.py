@@ -1,0 +1,57 @@
+"""The configs shipped with gpo (``gpo.configs``, the repository's configs/ folder) and how ``--config`` finds them:
+a value that names no file where ``gpo`` runs, and is a bare name (``quickstart``, ``dapo.yaml``), is the shipped
+config of that name."""
+
+from __future__ import annotations
+
+import re
+from importlib.resources import files
+from pathlib import Path
+
+#: A ``--config`` value that may name a shipped config: no folder part, not inline YAML or JSON.
+_BARE_NAME = re.compile(r"[\w.-]+")
+_CONFIG_FLAGS = ("--config", "-c")
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped YAML configs by name (the file name without ``.yaml``), sorted."""
+    folder = files("gpo.configs")
+    found = {Path(entry.name).stem: Path(str(entry)) for entry in folder.iterdir() if entry.name.endswith(".yaml")}
+    return dict(sorted(found.items()))
+
+
+def config_path(value: str) -> str:
+    """The file a ``--config`` value names: ``value`` itself when it is a file here, inline YAML or a path with a
+    folder part (jsonargparse reports those), else the shipped config of that name, with or without ``.yaml``."""
+    if Path(value).is_file() or not _BARE_NAME.fullmatch(value):
+        return value
+    shipped = shipped_configs()
+    name = value.removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped:
+        return str(shipped[name])
+    raise FileNotFoundError(
+        f"--config {value}: no such file here, and gpo ships no config of that name; give a YAML file's path or one "
+        f"of: {', '.join(shipped)}."
+    )
+
+
+def with_shipped_configs(args: list[str]) -> list[str]:
+    """``args`` with every ``--config``/``-c`` value that names a shipped config replaced by that config's path."""
+    resolved = list(args)
+    for index, arg in enumerate(args):
+        if arg in _CONFIG_FLAGS and index + 1 < len(args):
+            resolved[index + 1] = config_path(args[index + 1])
+        elif arg.startswith("--config="):
+            resolved[index] = "--config=" + config_path(arg.removeprefix("--config="))
+    return resolved
+
+
+def config_files(args: list[str]) -> list[str]:
+    """The files named by ``--config``/``-c`` in ``args`` (after ``with_shipped_configs``)."""
+    found = []
+    for index, arg in enumerate(args):
+        if arg in _CONFIG_FLAGS and index + 1 < len(args):
+            found.append(args[index + 1])
+        elif arg.startswith("--config="):
+            found.append(arg.removeprefix("--config="))
+    return found

@@ -1,0 +1,78 @@
+"""StepProgressBar: optimiser steps out of trainer.max_steps, over epochs, with several steps per batch and resumed."""
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from torch.utils.data import DataLoader
+
+from gpo.callbacks import StepProgressBar
+
+STEPS_PER_BATCH = 2  # as with model.optim.number_of_minibatches = 2
+BATCHES_PER_EPOCH = 5
+
+
+class TwoStepsPerBatch(L.LightningModule):
+    """A linear model that takes ``STEPS_PER_BATCH`` optimiser steps per batch, as GPOModule does with minibatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        self.trainer.progress_bar_metrics["reward"] = torch.tensor(0.5)  # a tensor, as gpo.train.metrics.publish gives
+        optimizer = self.optimizers()
+        for _ in range(STEPS_PER_BATCH):
+            optimizer.zero_grad()
+            self.manual_backward(self.layer(batch).pow(2).mean())
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(BATCHES_PER_EPOCH, 2), batch_size=1)
+
+
+class Seen(L.Callback):
+    """What the progress bar showed after each batch, as (shown, total, global_step)."""
+
+    def __init__(self) -> None:
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = trainer.progress_bar_callback.train_progress_bar
+        self.rows.append((bar.n, bar.total, trainer.global_step))
+
+
+def fit(tmp_path, bar, max_steps, ckpt_path=None):
+    seen = Seen()
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=[bar, seen], logger=False, enable_model_summary=False,
+        default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TwoStepsPerBatch(), ckpt_path=ckpt_path)
+    return trainer, seen.rows
+
+
+def test_the_bar_counts_optimiser_steps_out_of_max_steps_across_epochs(tmp_path):
+    # 14 steps = 7 batches: the whole first epoch of 5 and 2 batches of the second
+    trainer, rows = fit(tmp_path, StepProgressBar(), max_steps=14)
+    assert rows == [(2 * batch, 14, 2 * batch) for batch in range(1, 8)]
+    bar = trainer.progress_bar_callback.train_progress_bar
+    assert bar.desc.startswith("Epoch 1, step") and "reward=0.5" in bar.postfix, (bar.desc, bar.postfix)
+
+
+def test_lightnings_own_bar_counts_batches_of_the_epoch_instead(tmp_path):
+    # what StepProgressBar replaces: totals capped at the steps left, counts restarting every epoch
+    _, rows = fit(tmp_path, TQDMProgressBar(), max_steps=14)
+    assert [(n, total) for n, total, _ in rows] == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5), (1, 4), (2, 4)]
+
+
+def test_a_resumed_run_counts_on_from_its_checkpoint(tmp_path):
+    trainer, _ = fit(tmp_path / "first", StepProgressBar(), max_steps=6)
+    checkpoint = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    resumed, rows = fit(tmp_path / "second", StepProgressBar(), max_steps=10, ckpt_path=checkpoint)
+    assert rows == [(8, 10, 8), (10, 10, 10)]
+    assert resumed.progress_bar_callback.train_progress_bar.initial == 6  # the rate counts this run's steps only

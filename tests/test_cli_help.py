@@ -1,0 +1,176 @@
+"""What the ``gpo`` command shows and finds: the command list, ``gpo fit --help`` focused on gpo's settings with
+Lightning's one flag away, shipped configs by name, short errors, and the step-counting progress bar."""
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from gpo.algo import presets
+from gpo.callbacks import StepProgressBar
+from gpo.cli import COMMANDS, SUBCOMMANDS, main, run
+from gpo.cli.shipped import shipped_configs, with_shipped_configs
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ALL_COMMANDS = [*SUBCOMMANDS, *COMMANDS]
+
+
+@pytest.fixture(scope="module")
+def fit_help() -> str:
+    return help_text("fit", "--help")
+
+
+def help_text(*args: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 0
+    return out.getvalue()
+
+
+# ---- gpo --help ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], []], ids=["--help", "-h", "nothing"])
+def test_gpo_help_lists_every_command_with_one_line(capsys, args):
+    main(args)
+    lines = capsys.readouterr().out.splitlines()
+    for name in ALL_COMMANDS:
+        assert sum(line.split()[:1] == [name] for line in lines) == 1, (name, lines)
+    assert set(ALL_COMMANDS) == {"fit", "validate", "tiny", "plot", "export"}
+
+
+@pytest.mark.parametrize("name", ["validate", "tiny", "plot", "export"])
+def test_every_listed_command_has_its_own_help(name):
+    assert "usage:" in help_text(name, "--help")
+
+
+def test_an_unknown_command_is_refused_with_the_closest_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fitt", "--config", "quickstart"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unknown command 'fitt'; did you mean fit?" in err, err
+    with pytest.raises(SystemExit):
+        run(["test"])  # Lightning's test and predict are not offered: GPOModule has no test or predict step
+    assert "unknown command 'test'" in capsys.readouterr().err
+
+
+# ---- gpo fit --help --------------------------------------------------------------------------------------------
+
+
+def test_fit_help_shows_gpos_settings_before_the_trainers(fit_help):
+    for flag in ("--config", "--export", "--model.policy", "--model.algorithm", "--data.path", "--ckpt_path"):
+        assert flag in fit_help, flag
+    assert fit_help.index("--model.policy") < fit_help.index("--data.path") < fit_help.index("--trainer.max_steps")
+    assert "--trainer.barebones" not in fit_help and "--trainer.sync_batchnorm" not in fit_help
+    assert "the name of a config shipped with gpo" in fit_help
+
+
+def test_fit_help_says_how_to_reach_everything_it_does_not_show(fit_help):
+    assert "gpo fit --help-all" in fit_help
+    for group in ("optim", "evaluation", "lora", "kl", "reward_errors", "engine", "algorithm"):
+        assert f"--model.{group}.help" in fit_help, group
+    for name in presets.ALGORITHMS:
+        assert name in fit_help, name
+    for cls in ("Custom", "GRPO", "DAPO", "CISPO", "GSPO", "RSPO", "DrGRPO", "ReinforcePP", "MaxRL", "DRO"):
+        assert f" {cls}," in fit_help or f" {cls}." in fit_help, cls
+    for name in shipped_configs():
+        assert name in fit_help, name
+
+
+def test_help_all_is_lightnings_full_help(fit_help):
+    full = help_text("fit", "--help-all")
+    assert "--trainer.barebones" in full and "--trainer.sync_batchnorm" in full
+    assert len(full.splitlines()) > len(fit_help.splitlines())
+
+
+def test_nested_settings_have_their_own_help():
+    assert "--model.optim.lr" in help_text("fit", "--model.optim.help")
+    assert "--model.algorithm.clip_high" in help_text("fit", "--model.algorithm.help", "DAPO")
+
+
+def test_lightnings_optimizer_flags_are_not_offered_and_point_to_model_optim(fit_help, capsys):
+    assert "--optimizer" not in fit_help and "--lr_scheduler" not in fit_help
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", "quickstart", "--optimizer", "SGD"])
+    err = capsys.readouterr().err
+    message = err[err.index("gpo fit: error: ") :]
+    assert exit_info.value.code == 2 and "the optimiser is AdamW, set by model.optim (lr" in message, err
+    assert len(message.splitlines()) <= 4, err
+
+
+# ---- shipped configs -------------------------------------------------------------------------------------------
+
+
+def test_every_yaml_in_configs_is_shipped_with_the_package():
+    shipped = shipped_configs()
+    assert list(shipped) == sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+    assert shipped["quickstart"].read_text() == (CONFIGS / "quickstart.yaml").read_text()
+
+
+def test_config_finds_a_shipped_config_by_name_unless_a_local_file_has_it(tmp_path):
+    shipped = shipped_configs()
+    args = ["fit", "--config", "quickstart", "-c", "dapo.yaml", "--config=rloo", "--model.group_size=4"]
+    assert with_shipped_configs(args) == [
+        "fit", "--config", str(shipped["quickstart"]), "-c", str(shipped["dapo"]), f"--config={shipped['rloo']}",
+        "--model.group_size=4",
+    ]  # fmt: skip
+    (tmp_path / "dapo.yaml").write_text("model: {group_size: 4}\n")  # the working directory (tests/conftest.py)
+    assert with_shipped_configs(["--config", "dapo.yaml"]) == ["--config", "dapo.yaml"]
+    inline, folder = '{"model": {"group_size": 4}}', "no_such_folder/quickstart.yaml"
+    assert with_shipped_configs(["--config", inline, "--config", folder]) == ["--config", inline, "--config", folder]
+
+
+def test_fit_reads_a_shipped_config_by_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "quickstart", "--config", "rloo", "--print_config"])
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "gpo.rewards.positional_match" in printed and "RLOO" in printed, printed
+
+
+def test_a_config_name_that_is_neither_a_file_nor_shipped_lists_the_shipped_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", "quickstrat"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "--config quickstrat: no such file here, and gpo ships no config of that name" in err, err
+    assert "adaptive_entropy, callbacks, cispo, dapo" in err and "quickstart" in err, err
+
+
+# ---- misspelt keys in a YAML file ------------------------------------------------------------------------------
+
+
+def test_a_misspelt_nested_key_in_a_yaml_file_is_named_with_its_file_and_the_closest_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  engine:\n    init_args:\n      sampling:\n        max_new_token: 4\n")
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", "quickstart", "--config", str(bad)])
+    err = capsys.readouterr().err
+    assert "model.engine.init_args.sampling (Sampling) has no setting 'max_new_token'" in err, err
+    assert f"(set in {bad})" in err and "did you mean model.engine.init_args.sampling.max_new_tokens?" in err, err
+
+
+# ---- progress bar ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "bar"),
+    [
+        pytest.param((), StepProgressBar, id="default"),
+        pytest.param(("--trainer.callbacks=lightning.pytorch.callbacks.TQDMProgressBar",), TQDMProgressBar, id="own"),
+        pytest.param(("--trainer.enable_progress_bar=false",), type(None), id="off"),
+    ],
+)
+def test_fit_counts_optimiser_steps_in_its_progress_bar_unless_told_otherwise(tiny_assets, tmp_path, extra, bar):
+    from gpo.cli import GPOCLI
+    from gpo.train.data import PromptDataModule
+    from gpo.train.module import GPOModule
+
+    model, data = tiny_assets
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), f"--model.policy={model}", f"--data.path={data}"]
+    args += ["--data.val_path=null", f"--trainer.default_root_dir={tmp_path}", *extra]
+    cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
+    assert type(cli.trainer.progress_bar_callback) is bar
