@@ -81,8 +81,10 @@ class Learner:
             before the first update.
         correction: rollout-vs-trainer importance correction (TIS/MIS).
         kl: the KL penalty, whose ``reward`` placement is applied here to the rollout's reward.
-        sampler_shares_weights: the engine samples from the trained module itself, so its log-probs equal the
-            trainer's and there is no mismatch to measure.
+        sampler_shares_weights: the engine samples from the trained module itself, or from its copy in the rollout
+            worker of pipelined rollouts: its log-probs come from the trainer's own code, so there is no kernel
+            mismatch to measure (a pipeline's lag is in the ratio the gates already see), and no extra pass is spent
+            measuring one.
         teacher: scores the sampled tokens for on-policy distillation (when the objective reads ``teacher_logp``).
     """
 

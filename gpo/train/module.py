@@ -128,6 +128,7 @@ class GPOModule(RolloutSource, LightningModule):
         old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
         parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
         preflight.check_distillation(distill, teacher)
+        sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
         self.pipeline = None
         if max_off_policy_steps:
             self.pipeline = RolloutPipeline(engine, max_off_policy_steps, sampler_threads, old_logprobs)
@@ -151,7 +152,7 @@ class GPOModule(RolloutSource, LightningModule):
         self.teacher = LocalTeacher(teacher, dtype=dtype) if isinstance(teacher, str) else teacher
         self.scorer = TokenScorer(self.policy, temperature=engine.sampling.temperature, reference=reference)
         self.learner = Learner(self.scorer, objective, self.optim, old_logprobs=old_logprobs, correction=correction,
-                               kl=kl, sampler_shares_weights=engine.shares_policy_weights,
+                               kl=kl, sampler_shares_weights=sampler_shares_weights,
                                teacher=self.teacher)  # fmt: skip
         self.collector = Collector(engine, rewards, mixer=mixer, group_size=group_size, reward_errors=reward_errors,
                                    seed=seed, logprobs=self.learner.wants_rollout_logprobs)  # fmt: skip
@@ -280,7 +281,8 @@ class GPOModule(RolloutSource, LightningModule):
         """The step's metrics to the callbacks and progress bar, and to the loggers when logging is due."""
         stats, log = self.collector.stats, log_due(self.trainer)
         started, collected, done = clock
-        metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, collected - started - stats.rollout_s,
+        sampled_here = stats.rollout_s if self.pipeline is None else 0.0  # a pipeline samples on its own thread
+        metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, collected - started - sampled_here,
                               done - collected)  # fmt: skip
         counts = count_metrics(stats.reward_errors, self.device)
         if log:  # rank means and sums only where they are written: one all-reduce each
