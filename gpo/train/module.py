@@ -140,6 +140,7 @@ class GPOModule(RolloutSource, LightningModule):
         self.evaluation = evaluation or Evaluation()
         loaded = isinstance(policy, torch.nn.Module)
         self.policy = policy if loaded else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora)
+        self.policy.train()  # at rest in train mode, as Lightning expects; scoring and sampling switch to eval
         tokenizer = tokenizer if tokenizer is not None else None if loaded else policy
         field = "model.policy" if tokenizer is policy else "model.tokenizer"
         self.tokenizer = load_tokenizer(tokenizer, field) if isinstance(tokenizer, str) else tokenizer

@@ -1,6 +1,7 @@
 """GPOModule end to end on a tiny local model: the reward rises, micro-batching changes nothing, bad input fails."""
 
 import logging
+import warnings
 
 import lightning as L
 import pytest
@@ -216,3 +217,13 @@ def test_the_headline_reward_is_the_weighted_sum_of_the_rewards_whatever_the_mix
     weighted = logged["reward/positional_match"] + 0.5 * logged["reward/length"]
     assert logged["reward/mean"] == pytest.approx(weighted, rel=1e-6) == pytest.approx(logged["reward"], rel=1e-6)
     assert logged["reward/length"] > 0
+
+
+def test_training_starts_without_modules_left_in_eval_mode(workspace):
+    model, data = workspace
+    module, trainer = tiny_module(model), quiet_trainer(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, prompts(model, data))
+    assert not [w for w in caught if "eval mode" in str(w.message)]
+    assert all(m.training for m in module.policy.modules())
