@@ -71,6 +71,8 @@ class MismatchRecorder(RolloutCallback):
     @override
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
+        if metrics.get("pipeline/filling", 0) == 1:  # a batch that only filled the rollout pipeline trained nothing
+            return
         self.logged.append(float(metrics["mismatch/abs_diff_max"]))
         self.sync_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith("weight_sync/")})
 

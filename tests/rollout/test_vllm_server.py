@@ -126,6 +126,19 @@ def test_weight_sync_keeps_the_server_equal_to_the_trainer_after_each_step(serve
     assert len(recorder.moved) == 2 and min(recorder.moved) > 1e-3, recorder.moved
 
 
+@needs_vllm
+def test_a_pipelined_run_samples_each_rollout_with_the_weights_of_the_step_before(served):
+    *_, engine, folder, data = served
+    sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)  # each check runs after its push, in turn
+    server_engine = copy.copy(engine)
+    server_engine.sampling = type(engine.sampling)(temperature=0.8, max_new_tokens=4)
+    _, recorder = fit((folder, data), server_engine, sync, steps=3, max_off_policy_steps=1)
+    assert sync.syncs == 4 and len(recorder.measured) == 3
+    # rollout j is trained after j steps and was sampled after max(0, j - 1): the previous step's weights
+    assert recorder.measured[0] < 1e-4 and max(recorder.moved) < 1e-4, (recorder.measured, recorder.moved)
+    assert min(recorder.measured[1:]) > 1e-3, recorder.measured  # not the weights that train on it
+
+
 def test_update_without_a_shared_folder_is_refused_and_the_folder_is_sent_absolute(tmp_path):
     with pytest.raises(ValueError, match=r"needs model.engine.init_args.weights_dir"):
         VLLMServerEngine().update_weights([])
