@@ -7,6 +7,10 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpo.algo.presets import Algorithm
 
 #: A ``--config`` value that may name a shipped config: no folder part, not inline YAML or JSON.
 _BARE_NAME = re.compile(r"[\w.-]+")
@@ -44,6 +48,19 @@ def with_shipped_configs(args: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             resolved[index] = "--config=" + config_path(arg.removeprefix("--config="))
     return resolved
+
+
+def shipped_algorithm(name: str) -> Algorithm:
+    """The algorithm the shipped config ``name`` selects (its ``model.algorithm``), built with the values it sets."""
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from gpo.algo.presets import Algorithm
+
+    spec = yaml.safe_load(shipped_configs()[name].read_text())["model"]["algorithm"]
+    parser = ArgumentParser()
+    parser.add_argument("--algorithm", type=Algorithm)
+    return parser.instantiate(parser.parse_object({"algorithm": spec})).algorithm
 
 
 def config_files(args: list[str]) -> list[str]:
