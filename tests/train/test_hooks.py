@@ -1,7 +1,6 @@
 """The rollout hooks: declared on RolloutCallback (a misspelt one is refused), run by one call each, and enough for a
 LightningModule that is not GPOModule to use DynamicSampling, RolloutMonitor and VLLMWeightSync."""
 
-
 import lightning as L
 import pytest
 import torch
