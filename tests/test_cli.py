@@ -14,7 +14,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs/quickstart.yaml"
 def fit(root: Path, out: str, *extra: str) -> Path:
     args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
     args += ["--trainer.max_steps=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
-    args += ["--data.val_path=null", "--trainer.val_check_interval=1.0"]  # short runs: validate per epoch
+    args += ["--data.val_path=null", "--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]
     main([*args, f"--trainer.default_root_dir={root / out}", *extra])
     return root / out
 

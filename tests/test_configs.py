@@ -27,7 +27,8 @@ def run_fit(assets, *configs: Path, steps: int = 2, policy: str | None = None, e
     root, dense, _, data = assets
     args = ["fit", *(f"--config={c}" for c in configs)]
     args += [f"--model.policy={policy or dense}", f"--data.path={data}", "--data.val_path=null"]
-    args += ["--trainer.val_check_interval=1.0"]  # the quickstart validates every 200 steps; these runs are shorter
+    # once an epoch: the quickstart validates every 200 steps, these runs are shorter
+    args += ["--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]
     # A folder per run: sharded checkpoints are folders, and a fresh run refuses an earlier run's checkpoint.
     run = "-".join([*(Path(c).stem for c in configs), *(["custom"] if extra else [])])
     args += [f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root / 'runs' / run}"]

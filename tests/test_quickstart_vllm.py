@@ -22,7 +22,7 @@ def first_and_last_reward(config: str, model: Path, data: Path, root: Path) -> t
     """Mean reward of the first and of the last 20 steps of a ``STEPS``-step run of ``config``."""
     args = [f"--config={CONFIGS / config}", f"--model.policy={model}", f"--data.path={data}", "--data.val_path=null"]
     args += [f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
-    args += ["--trainer.val_check_interval=1.0"]  # the configs validate every 200 steps; these runs are shorter
+    args += ["--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]  # short runs: once an epoch
     main(["fit", *args, f"--trainer.default_root_dir={root}"])
     rewards = logged_rewards(root)
     assert len(rewards) == STEPS
