@@ -7,11 +7,12 @@ import argparse
 import asyncio
 import hmac
 import ipaddress
+import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,16 @@ class Retries:
         remaining = self.retry_for_s - failing_for_s
         return min(wait, remaining) if remaining > 0 else None
 
+    def waits(self) -> Iterator[float]:
+        """The waits before the retries of one request, from ``next_wait``; the clock starts at the first ``next()``
+        (the first failure), and the iterator ends when the retries are spent."""
+        started = time.monotonic()
+        for retry in itertools.count():
+            wait = self.next_wait(retry, time.monotonic() - started)
+            if wait is None:
+                return
+            yield wait
+
 
 def token_from(setting: str | None, env_var: str) -> str | None:
     """The shared secret to send: ``setting`` when given, else the environment variable ``env_var``; None (or an
@@ -103,9 +114,8 @@ async def request_json(
     """``method url`` with JSON ``payload``; returns the decoded JSON answer (None for an empty one, or for a status
     in ``ok_status``). Raises ``ServiceError`` starting with ``describe`` (which service, at which URL, what to
     check) and saying what the last try got; ``hints`` adds what to check after a refusal with that status."""
-    tries, failing_since = 0, None
-    while True:
-        tries += 1
+    waits = retries.waits()
+    for tries in itertools.count(1):
         try:
             timeout = aiohttp.ClientTimeout(total=retries.timeout_s)
             async with session.request(method, url, json=payload, timeout=timeout) as response:
@@ -125,9 +135,7 @@ async def request_json(
                     f"be refused again): {body[:500]}{_hint(hints, status)}"
                 )
             last = f"HTTP {status}: {body[:200]}"
-        now = time.monotonic()
-        failing_since = now if failing_since is None else failing_since
-        wait = retries.next_wait(tries - 1, now - failing_since)
+        wait = next(waits, None)
         if wait is None:
             raise ServiceError(f"{describe}: {method} {url} failed after {tries} attempt(s); the last: {last}.")
         await asyncio.sleep(wait)
@@ -191,6 +199,14 @@ async def wait_healthy(
 def json_error(status: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
     """An HTTP error whose body is ``{"error": message}``."""
     return status(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's body decoded from JSON; a 400 when it is not JSON."""
+    try:
+        return json.loads(await request.text())
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to decode
+        raise json_error(web.HTTPBadRequest, f"the body is not JSON: {str(exc)[:200]}") from exc
 
 
 def require_token(token: str) -> Any:

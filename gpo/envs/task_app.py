@@ -13,7 +13,7 @@
 
 Errors, each with ``{"error": MESSAGE}``: 400 for a malformed body, 401 without the token (when the app has one),
 404 for an unknown episode, 409 for an out-of-order step, 413 for a body above ``--max-body-bytes``, 422 for a task or
-action the environment cannot use (its ``reset`` or ``step`` raised ``ValueError``: a guess of 5,000 digits, say).
+action the environment cannot use (its ``reset`` or ``step`` raised ``ValueError``).
 A 5xx is the app's own fault (a bug in the environment), which a client may retry.
 
 It listens on 127.0.0.1 unless ``--host`` says otherwise. ``--token`` (or the environment variable
@@ -34,7 +34,14 @@ from typing import Any
 from aiohttp import web
 
 from gpo.envs.base import Environment, Step
-from gpo.envs.http import DEFAULT_MAX_BODY_BYTES, add_service_arguments, json_error, service_app, service_token
+from gpo.envs.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    add_service_arguments,
+    json_body,
+    json_error,
+    service_app,
+    service_token,
+)
 from gpo.envs.number_guess import NumberGuess
 from gpo.envs.task_client import TOKEN_ENV
 
@@ -52,10 +59,7 @@ async def _body(
 ) -> dict[str, Any]:
     """The request's JSON object, with each ``required`` key (and each ``optional`` key present) of its type; 400
     otherwise."""
-    try:
-        body = json.loads(await request.text())
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to decode
-        raise json_error(web.HTTPBadRequest, f"the body is not JSON: {str(exc)[:200]}") from exc
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise json_error(web.HTTPBadRequest, "the body must be a JSON object")
     expected = {**required, **{key: kind for key, kind in (optional or {}).items() if key in body}}

@@ -36,6 +36,11 @@ def reduce_over_ranks(x: Tensor, op: Literal["sum", "min", "max"]) -> Tensor:
     return reduced
 
 
+def mean_over_ranks(x: Tensor) -> Tensor:
+    """The mean of ``x`` over the ranks, on every rank (one all-reduce)."""
+    return reduce_over_ranks(x, "sum") / world_size()
+
+
 def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu") -> bool:
     """Whether every rank holds at least ``needed`` items (rows, prompts); a single process: at least one.
 
@@ -63,7 +68,7 @@ def ddp_normaliser(local: Tensor) -> Tensor:
     """
     if not is_distributed():
         return local
-    return reduce_over_ranks(local, "sum") / world_size()
+    return mean_over_ranks(local)
 
 
 def gather_rows(x: Tensor) -> tuple[Tensor, slice]:

@@ -13,13 +13,19 @@ fault. It listens on 127.0.0.1 unless ``--host`` says otherwise; ``--token`` (or
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from typing import Any
 
 from aiohttp import web
 
-from gpo.envs.http import DEFAULT_MAX_BODY_BYTES, add_service_arguments, json_error, service_app, service_token
+from gpo.envs.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    add_service_arguments,
+    json_body,
+    json_error,
+    service_app,
+    service_token,
+)
 from gpo.rewards.judge import TOKEN_ENV
 
 INTEGER = re.compile(r"-?\d+")
@@ -70,10 +76,7 @@ def make_app(*, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY
 
     @routes.post("/score")
     async def score_request(request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.text())
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to decode
-            raise json_error(web.HTTPBadRequest, f"the body is not JSON: {str(exc)[:200]}") from exc
+        body = await json_body(request)
         unusable = problem(body)
         if unusable is not None:
             raise json_error(web.HTTPBadRequest, unusable)

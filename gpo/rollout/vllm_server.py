@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import time
@@ -123,7 +124,7 @@ class VLLMServerEngine(RolloutEngine):
         self.weights_dir = None if weights_dir is None else os.path.abspath(weights_dir)
         self.api_key = token_from(api_key, API_KEY_ENV)
         self.health_max_wait_s, self.health_interval_ms = health_max_wait_s, health_interval_ms
-        self.retry_max_s, self.max_concurrent_requests = retry_max_s, max_concurrent_requests
+        self.max_concurrent_requests = max_concurrent_requests
         self.retries = Retries(
             timeout_s=request_timeout_s, attempts=None, backoff_s=retry_backoff_s, retry_for_s=retry_max_s
         )
@@ -196,21 +197,20 @@ class VLLMServerEngine(RolloutEngine):
             )
             for server, p, s in zip(servers, prompt_ids, prompt_seeds(seed, len(prompt_ids)), strict=True)
         ]
-        tokens, logps = [], []
+        tokens, logps = [], [] if logprobs else None
         for server, answer in zip(servers, self._on_servers(calls), strict=True):
             try:
                 for choice in sorted(answer["choices"], key=lambda c: c["index"]) * (n if greedy else 1):
                     tokens.append(list(choice["token_ids"]))
-                    logps.append(list(choice["logprobs"]["token_logprobs"]) if logprobs else [])
+                    if logps is not None:
+                        logps.append(list(choice["logprobs"]["token_logprobs"]))
             except (KeyError, TypeError) as error:
                 raise VLLMServerError(
                     f"vLLM server {server} answered POST /v1/completions without choices carrying token_ids and "
                     f"logprobs ({type(error).__name__}: {error}): {str(answer)[:300]}. Is it a vLLM OpenAI-compatible "
                     "server (gpo is tested with vLLM 0.32)?"
                 ) from error
-        return rollout_from_token_lists(
-            prompt_ids, n, tokens, logps if logprobs else None, eos_id=self.eos_id, pad_id=self.pad_id
-        )
+        return rollout_from_token_lists(prompt_ids, n, tokens, logps, eos_id=self.eos_id, pad_id=self.pad_id)
 
     def _completion_body(
         self, prompt: list[int], n: int, greedy: bool, seed: int | None, logprobs: bool, s: Sampling
@@ -246,17 +246,16 @@ class VLLMServerEngine(RolloutEngine):
 
     def _reset_prefix_cache(self, url: str) -> None:
         # vLLM answers success=false while running requests still hold blocks; it asks callers to retry.
-        started, retry = time.monotonic(), 0
+        waits = self.retries.waits()
         while not (answer := self._post(url, "/reset_prefix_cache", {})).get("success", False):
-            wait = self.retries.next_wait(retry, time.monotonic() - started)
+            wait = next(waits, None)
             if wait is None:
                 raise VLLMServerError(
                     f"vLLM server {url} could not reset its prefix cache: it answered {answer} for "
-                    f"{WHERE}.retry_max_s={self.retry_max_s} s (blocks held by running requests). Is another client "
-                    "using it?"
+                    f"{WHERE}.retry_max_s={self.retries.retry_for_s} s (blocks held by running requests). Is another "
+                    "client using it?"
                 )
             time.sleep(wait)
-            retry += 1
 
     def _on_servers(self, calls: list[tuple[str, Callable[[], T]]]) -> list[T]:
         """Run each ``(server, call)`` concurrently, at most ``max_concurrent_requests`` at once per server; the
@@ -298,9 +297,8 @@ class VLLMServerEngine(RolloutEngine):
             headers={"Content-Type": "application/json", **bearer(self.api_key)},
             method="POST",
         )
-        first, failing_since, tries = None, None, 0
-        while True:
-            tries += 1
+        waits, first, failing_since = self.retries.waits(), None, 0.0
+        for tries in itertools.count(1):
             try:
                 with urllib.request.urlopen(request, timeout=self.retries.timeout_s) as response:
                     return _decoded(response.read(), url, path)
@@ -311,20 +309,19 @@ class VLLMServerEngine(RolloutEngine):
                 problem = f"HTTP {error.code}: {detail}"
             except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
                 problem = _connection_problem(error, self.retries.timeout_s)
-            now = time.monotonic()
-            if failing_since is None:
-                first, failing_since = problem, now
-            wait = self.retries.next_wait(tries - 1, now - failing_since)
+            if first is None:
+                first, failing_since = problem, time.monotonic()
+            wait = next(waits, None)
             if wait is None:
-                raise VLLMServerError(self._gave_up(url, path, first, problem, tries, now - failing_since))
+                raise VLLMServerError(self._gave_up(url, path, first, problem, tries, time.monotonic() - failing_since))
             time.sleep(wait)
 
     def _gave_up(self, url: str, path: str, first: str, last: str, tries: int, seconds: float) -> str:
         reads = f" and that it can read {WHERE}.weights_dir={self.weights_dir}" if path == "/collective_rpc" else ""
         return (
             f"vLLM server {url} failed: POST {path} got no usable answer in {tries} tries over {seconds:.1f} s "
-            f"(retried for at most {WHERE}.retry_max_s={self.retry_max_s} s); first: {first}; last: {last}. Check "
-            f"that the server is still running (its log says why it stopped: a crash, out of memory, killed) and "
+            f"(retried for at most {WHERE}.retry_max_s={self.retries.retry_for_s} s); first: {first}; last: {last}. "
+            f"Check that the server is still running (its log says why it stopped: a crash, out of memory, killed) and "
             f"reachable from this machine{reads}; to wait out a server restart, raise {WHERE}.retry_max_s."
         )
 

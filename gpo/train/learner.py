@@ -169,7 +169,7 @@ class Learner:
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
         if self.objective.adapts and "entropy" in out:  # the adaptive coefficient follows the mean over every rank
-            entropy = collectives.reduce_over_ranks(out["entropy"], "sum") / collectives.world_size()
+            entropy = collectives.mean_over_ranks(out["entropy"])
             steered = self.objective.end_step({"entropy": entropy})
             out |= {key: zero + value for key, value in steered.items()}
         fixed = {**fixed_metrics, **mask_metrics}
@@ -225,7 +225,7 @@ class Learner:
             loss_sum = loss_sum + loss.detach()  # micro-batch losses add up to the minibatch loss
             for key, value in metrics.items():
                 sums[key] = sums[key] + value.detach().float() * (len(micro) / len(rollout))
-        loss_sum = collectives.reduce_over_ranks(loss_sum, "sum") / collectives.world_size()  # over the global batch
+        loss_sum = collectives.mean_over_ranks(loss_sum)  # over the global batch
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
         norm = fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)  # FSDP2: global norm
         loss_value, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one host sync per update

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 from aiohttp import web
 
+from gpo.envs.http import bearer
+
 
 @contextmanager
 def serve(app: web.Application) -> Iterator[str]:
@@ -92,7 +94,7 @@ def post_json(url: str, payload=None, *, raw: bytes | None = None, token: str | 
     import urllib.error
     import urllib.request
 
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    headers = {"Content-Type": "application/json", **bearer(token)}
     data = raw if raw is not None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data, headers)
     try:

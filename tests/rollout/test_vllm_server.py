@@ -6,10 +6,7 @@ needed for that one). Failures on demand (a server killed mid-run, 5xx, ...) are
 test_vllm_server_failures.py."""
 
 import copy
-import json
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 
 import pytest
@@ -22,6 +19,7 @@ from gpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import char_tokenizer, save_tiny_model
 from tests.callbacks.test_vllm_weight_sync import fit
+from tests.envs.servers import post_json
 from tests.ports import free_port
 from tests.rollout.test_vllm_engine import PROMPTS, assert_samples_follow_updated_weights, max_logp_error, prompt_ids
 from tests.vllm_engines import needs_vllm, vllm_server
@@ -46,16 +44,6 @@ def served(tmp_path_factory):
         )
         engine.setup(model, tok)
         yield model, tok, engine, str(folder), str(data)
-
-
-def post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @needs_vllm
@@ -109,10 +97,10 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once_not_retried(served)
 def test_the_api_key_guards_the_v1_routes_only_not_the_dev_routes(served):
     url = served[2].base_urls[0]
     body = {"prompt": [5, 6], "max_tokens": 2}
-    assert post(f"{url}/v1/completions", body) == (401, {"error": "Unauthorized"})
-    assert post(f"{url}/v1/completions", body, API_KEY)[0] == 200
+    assert post_json(f"{url}/v1/completions", body) == (401, {"error": "Unauthorized"})
+    assert post_json(f"{url}/v1/completions", body, token=API_KEY)[0] == 200
     # what docs/servers.md warns of: vLLM's --api-key leaves the dev-mode routes (weight reload) open
-    assert post(f"{url}/reset_prefix_cache", {}) == (200, {"success": True})
+    assert post_json(f"{url}/reset_prefix_cache", {}) == (200, {"success": True})
 
 
 @needs_vllm
