@@ -94,7 +94,7 @@ def test_each_algorithm_part_is_reachable_from_yaml(assets, tmp_path, slot, name
     module, _ = build(
         assets, tmp_path, f"model:\n  algorithm:\n    class_path: Custom\n    init_args:\n      {slot}: {name}\n"
     )
-    part = {"advantage": module.advantage, "gate": module.learner.objective.gate,
+    part = {"advantage": module.credit.advantage, "gate": module.learner.objective.gate,
             "aggregator": module.learner.objective.aggregator}[slot]  # fmt: skip
     assert type(part).__name__ == name
 
@@ -168,4 +168,5 @@ model:
 """,
     )
     assert type(module.engine).__name__ == "MultiTurnEngine" and module.engine.sampling.max_new_tokens == 6
-    assert module.step_rewards.mode == "env_sparse" and type(module.collector.mixer).__name__ == "EnvEventOutcomeBlend"
+    assert module.credit.step_rewards.mode == "env_sparse"
+    assert type(module.collector.mixer).__name__ == "EnvEventOutcomeBlend"

@@ -209,11 +209,13 @@ class RolloutPipeline:
         """Run ``collect`` (a step's collection) on the sampler thread, after everything submitted before."""
         self.pending.append(self.thread.submit(collect))
 
-    def next(self) -> Collected | None:
-        """The oldest collected step once more than ``lag`` are pending (waiting for it); None while filling."""
+    def ready(self) -> bool:
+        """Whether more than ``lag`` steps are pending, so the oldest may be trained (False while filling)."""
         self.engine.check_pushes()
-        if len(self.pending) <= self.lag:
-            return None
+        return len(self.pending) > self.lag
+
+    def next(self) -> Collected:
+        """The oldest pending step's collection, waited for (call when ``ready``)."""
         started = time.perf_counter()
         collected = self.pending.popleft().result()
         self.learner_wait_s += time.perf_counter() - started

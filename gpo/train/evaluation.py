@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning import LightningModule
 from torch import Tensor
 
 from gpo.rollout.base import Rollout, Sampling
@@ -77,6 +78,16 @@ def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settin
     reward, pass1, passk = torch.stack(sampled).mean(0)  # over the seeds
     metrics |= {"val/reward_sampled": reward, "val/pass@1_sampled": pass1, f"val/pass@{settings.samples}": passk}
     return metrics | {f"val/reward_errors_sampled/{name}": reward.new_tensor(c) for name, c in errors.items()}
+
+
+def log_evaluation(module: LightningModule, metrics: dict[str, Tensor], prompts: int) -> None:
+    """Log ``evaluate``'s metrics of a batch of ``prompts``: means over the validation set and the ranks, and sums of
+    the reward-error counts; ``val/reward_greedy`` on the progress bar."""
+    for name, value in metrics.items():
+        if "/reward_errors_" in name:
+            module.log(name, value, batch_size=prompts, reduce_fx="sum")
+        else:
+            module.log(name, value, batch_size=prompts, prog_bar=name == "val/reward_greedy", sync_dist=True)
 
 
 def _passed(rollout: Rollout, settings: Evaluation) -> Tensor:

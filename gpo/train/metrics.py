@@ -8,8 +8,10 @@ import torch
 from lightning import Trainer
 from torch import Tensor
 
+from gpo.parallel import collectives
 from gpo.rewards.runner import RewardFn, reward_name
 from gpo.rollout.base import Rollout
+from gpo.rollout.collector import Collector
 
 
 def step_metrics(
@@ -87,3 +89,19 @@ def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress
     for logger in trainer.loggers:
         logger.log_metrics(row, step=step)
         logger.save()
+
+
+def publish_step(
+    trainer: Trainer, collector: Collector, rollout: Rollout, step: dict[str, Tensor], step_adv: Tensor,
+    metrics: dict[str, Tensor], *, scoring_s: float, training_s: float,
+) -> None:  # fmt: skip
+    """A trained step's metrics (the learner's ``metrics``, throughput, reward-error counts and ``step_metrics``) to
+    the callbacks and progress bar, and to the loggers when logging is due: ranks are reduced only then (rank means,
+    and sums of the counts: one all-reduce each)."""
+    stats, log = collector.stats, log_due(trainer)
+    metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, scoring_s, training_s)
+    counts = count_metrics(stats.reward_errors, rollout.reward.device)
+    if log:
+        metrics, counts = collectives.reduce_metrics(metrics, "mean"), collectives.reduce_metrics(counts, "sum")
+    metrics |= counts | step_metrics(step, step_adv, collector.rewards, collector.mixer.weights)
+    publish(trainer, {**metrics, "reward": metrics["reward/mean"]}, log=log)

@@ -238,17 +238,17 @@ def check_run(module, trainer) -> None:
         raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
     embedding_rows = module.model.get_input_embeddings().num_embeddings
     check_tokenizer(module.tokenizer, "model.tokenizer, by default model.policy's folder", embedding_rows)
-    objective = module.learner.objective
+    objective, optim = module.learner.objective, module.learner.optim
     check_router_inputs(objective.requires, objective.gate, module.model)
     data = trainer.datamodule if trainer is not None else None
     if isinstance(data, PromptDataModule):  # checks against the loaded prompts, before any sampling
-        collector, optim = module.collector, module.optim
+        collector = module.collector
         check_reward_columns(collector.rewards, data.columns, data.prompt_column)
         context = getattr(module.model.config, "max_position_embeddings", None)
         check_context(data.longest_prompt, module.engine.sampling.max_new_tokens, context)
         check_minibatches(data.prompts_per_step, collector.group_size, optim.number_of_minibatches,
                           collectives.world_size())  # fmt: skip
-    updates = module.optim.number_of_minibatches * module.optim.ppo_epochs
+    updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
         fsdp.check_strategy(trainer.strategy)

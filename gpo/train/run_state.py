@@ -95,7 +95,7 @@ def describe_run(module) -> dict[str, str]:
     return {
         "model": f"{model.config.model_type}, {sum(p.numel() for p in model.parameters())} parameters",
         "trainer_mode": "lora" if is_peft(module.policy) else "full",
-        "advantage": describe(module.advantage),
+        "advantage": describe(module.credit.advantage),
         "gate": describe(objective.gate),
         "aggregator": describe(objective.aggregator),
         "rewards": ", ".join(map(reward_name, module.collector.rewards)),

@@ -62,7 +62,7 @@ def test_every_rollout_is_sampled_exactly_min_j_lag_steps_before_it_trains(works
     assert float(trainer.callback_metrics["pipeline/staleness_max"]) == lag
     assert float(trainer.callback_metrics["pipeline/dropped_stale"]) == 0
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 8 + lag  # the first `lag` only filled
-    assert module.pipeline.worker.process is None  # the worker stopped when training ended
+    assert module.feed.pipeline.worker.process is None  # the worker stopped when training ended
     assert torch.get_num_threads() == threads  # the threads left to the worker are given back
 
 
@@ -83,7 +83,7 @@ def test_reward_rises_with_the_sampler_one_step_ahead(workspace):
 class KillWorker(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 2:
-            pl_module.pipeline.worker.process.kill()
+            pl_module.feed.pipeline.worker.process.kill()
 
 
 def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
