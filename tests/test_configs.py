@@ -170,3 +170,21 @@ model:
     assert type(module.engine).__name__ == "MultiTurnEngine" and module.engine.sampling.max_new_tokens == 6
     assert module.credit.step_rewards.mode == "env_sparse"
     assert type(module.collector.mixer).__name__ == "EnvEventOutcomeBlend"
+
+
+def test_a_served_teacher_is_reachable_from_yaml(assets, tmp_path):
+    module, _ = build(
+        assets,
+        tmp_path,
+        """
+model:
+  distill: {coef: 0.5}
+  teacher:
+    class_path: gpo.models.teacher.ServerTeacher
+    init_args: {base_url: ["http://127.0.0.1:8101", "http://127.0.0.1:8102/"], retry_max_s: 5}
+""",
+    )
+    teacher = module.learner.teacher
+    assert type(teacher).__name__ == "ServerTeacher" and teacher.model is None
+    assert teacher.servers.urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    assert teacher.servers.retries.retry_for_s == 5 and module.learner.objective.distill.coef == 0.5

@@ -63,8 +63,9 @@ class GPOModule(RolloutSource, LightningModule):
         masks: tokens left out of the surrogate: ``OffPolicySequenceMask`` (DeepSeek-V3.2), ``SecondMomentMask``
             (M2PO), ``MismatchBandMask`` (IcePop), ``HighEntropyMask`` (80/20).
         distill: on-policy distillation towards ``teacher`` (``TeacherKL``: the per-token reverse KL as advantage).
-        teacher: the teacher ``distill`` reads: a ``gpo.models.Teacher``, or the folder of a local one
-            (``LocalTeacher``, loaded frozen in ``dtype``). It must share the policy's tokenizer.
+        teacher: the teacher ``distill`` reads: the folder of a local one (``LocalTeacher``, loaded frozen in
+            ``dtype``), or a ``gpo.models.teacher.Teacher`` such as ``ServerTeacher`` (vLLM servers answering its
+            prompt log-probs). It must share the policy's tokenizer.
         step_rewards: per-turn advantages from the step rewards of multi-turn episodes (``MultiTurnEngine``).
         correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights.
         trainer_mode: ``full`` fine-tuning, ``lora`` adapter, or ``qlora`` (4-bit base, needs a GPU).

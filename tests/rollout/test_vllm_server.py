@@ -8,12 +8,14 @@ test_vllm_server_failures.py."""
 import copy
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from gpo.callbacks import VLLMWeightSync
+from gpo.models.teacher import ServerTeacher
 from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 from gpo.tasks import make_task, write_jsonl
@@ -69,11 +71,24 @@ def test_server_greedy_equals_the_transformers_engine_on_each_server(served):
     hf = HFEngine(sampling=Sampling(max_new_tokens=24))
     hf.setup(model, tok)
     expected = hf.generate(prompt_ids(tok), n=2, greedy=True)
-    one = VLLMServerEngine(base_url=engine.base_urls[1], sampling=Sampling(max_new_tokens=24))  # one URL, as before
+    one = VLLMServerEngine(base_url=engine.servers.urls[1], sampling=Sampling(max_new_tokens=24))  # one URL, as before
     one.setup(model, tok)
     for got in (engine.generate(prompt_ids(tok), n=2, greedy=True), one.generate(prompt_ids(tok), n=2, greedy=True)):
         assert torch.equal(got.completion_ids, expected.completion_ids)
         assert torch.equal(got.completion_mask, expected.completion_mask)
+
+
+@needs_vllm
+def test_a_served_teacher_scores_the_sampled_tokens_as_the_model_does_at_temperature_1(served):
+    # before the weight tests: the servers still hold the weights of `model`
+    model, tok, engine, *_ = served
+    rollout = engine.generate(prompt_ids(tok), n=3, seed=2)  # ragged prompts and completions, rows on both servers
+    teacher = ServerTeacher(base_url=engine.servers.urls, health_max_wait_s=60)
+    teacher.setup(tok)
+    logp = teacher.logp(rollout)
+    assert logp.dtype == torch.float32 and torch.all(logp[rollout.completion_mask == 0] == 0)
+    assert max_logp_error(model, replace(rollout, logp=logp), 1.0) < 1e-4
+    assert max_logp_error(model, replace(rollout, logp=logp), 0.7) > 1e-2  # temperature 1, not the sampling one
 
 
 @needs_vllm
@@ -95,7 +110,7 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once_not_retried(served)
 
 @needs_vllm
 def test_the_api_key_guards_the_v1_routes_only_not_the_dev_routes(served):
-    url = served[2].base_urls[0]
+    url = served[2].servers.urls[0]
     body = {"prompt": [5, 6], "max_tokens": 2}
     assert post_json(f"{url}/v1/completions", body) == (401, {"error": "Unauthorized"})
     assert post_json(f"{url}/v1/completions", body, token=API_KEY)[0] == 200

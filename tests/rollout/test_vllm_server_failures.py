@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from gpo.models.teacher import ServerTeacher
 from gpo.rollout import Sampling
 from gpo.rollout.vllm_server import WEIGHTS_FILE, VLLMServerEngine, VLLMServerError
 from gpo.testing import char_tokenizer
@@ -138,8 +139,8 @@ def test_the_health_wait_names_each_server_that_never_answers_and_waits_for_a_sl
 
 
 def test_base_url_takes_one_address_or_a_list_of_distinct_ones():
-    assert VLLMServerEngine(base_url="http://h:1/").base_urls == ["http://h:1"]
-    assert VLLMServerEngine(base_url=["http://h:1", "http://h:2"]).base_urls == ["http://h:1", "http://h:2"]
+    assert VLLMServerEngine(base_url="http://h:1/").servers.urls == ["http://h:1"]
+    assert VLLMServerEngine(base_url=["http://h:1", "http://h:2"]).servers.urls == ["http://h:1", "http://h:2"]
     with pytest.raises(ValueError, match=r"model.engine.init_args.base_url is an empty list"):
         VLLMServerEngine(base_url=[])
     with pytest.raises(ValueError, match=r"names a server twice"):
@@ -148,3 +149,10 @@ def test_base_url_takes_one_address_or_a_list_of_distinct_ones():
         VLLMServerEngine(base_url=["h:1"])
     with pytest.raises(ValueError, match=r"model.engine.init_args.retry_max_s=-1 must be >= 0"):
         VLLMServerEngine(retry_max_s=-1)
+
+
+def test_a_served_teacher_names_its_own_settings_in_errors():
+    with pytest.raises(ValueError, match=r"model.teacher.init_args.base_url='h:1' must be an http"):
+        ServerTeacher(base_url="h:1")
+    with pytest.raises(ValueError, match=r"model.teacher.init_args.request_timeout_s=0 must be > 0"):
+        ServerTeacher(request_timeout_s=0)
