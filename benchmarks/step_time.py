@@ -19,8 +19,9 @@ Measured per step:
 * ``step``: wall time from the end of one training batch to the end of the next, so Lightning's loop, data
   loading and logging are included.
 * the profile: ``generate``, the sampler's log-prob pass, forward + loss (``Learner._micro_loss``), backward
-  (``manual_backward``), optimiser (gradient clipping + ``AdamW.step``), logging (``gpo.train.metrics.publish``),
-  gpo's bookkeeping (the rest of ``training_step``: hooks, decoding, rewards, advantages, metrics) and the loop
+  (``manual_backward``), optimiser (gradient clipping + ``AdamW.step``), logging (``gpo.train.metrics.publish_step``:
+  the step's metrics computed, reduced and handed to the loggers, callbacks and progress bar), gpo's bookkeeping (the
+  rest of ``training_step``: hooks, decoding, rewards, advantages) and the loop
   (the step's wall time outside ``training_step``), each timed by wrapping that function.
 * rollout tokens/s: generated completion tokens (up to and including EOS) per second of rollout time.
 * training tokens/s: prompt + completion tokens (attention-mask ones) per second of training time.
@@ -209,7 +210,7 @@ class StepRecorder(RolloutCallback):
         optimizer = pl_module.optimizers().optimizer
         optimizer.step = self._timed(optimizer.step, "optimiser")
         gpo.parallel.fsdp.clip_grad_norm = self._timed(gpo.parallel.fsdp.clip_grad_norm, "optimiser")
-        gpo.train.module.publish = self._timed(gpo.train.module.publish, "logging")
+        gpo.train.module.publish_step = self._timed(gpo.train.module.publish_step, "logging")
         pl_module.training_step = self._timed(pl_module.training_step, "inside")
 
     @override
@@ -343,7 +344,7 @@ def report(steps: list[Step]) -> None:
         ("forward + loss", [s.forward_s for s in steps]),
         ("backward", [s.backward_s for s in steps]),
         ("optimiser (clip + AdamW step)", [s.optimiser_s for s in steps]),
-        ("logging (metrics to loggers, callbacks, progress bar)", [s.logging_s for s in steps]),
+        ("logging (step metrics computed and handed on)", [s.logging_s for s in steps]),
         ("gpo bookkeeping (rest of training_step)", [s.inside_s - sum(getattr(s, k) for k in counted) for s in steps]),
         ("Lightning loop (outside training_step)", [s.wall_s - s.inside_s for s in steps]),
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -96,8 +97,8 @@ def score(rewards: Sequence[RewardFn], rollout: Rollout, errors: RewardErrors = 
     per completion. A function that fails is reported with its name and the prompt concerned, then handled
     as ``errors.policy`` says.
     """
-    pairs = zip(rollout.completion_ids, rollout.completion_mask, strict=True)
-    completion_ids = [ids[mask.bool()].tolist() for ids, mask in pairs]
+    kept = zip(rollout.completion_ids.tolist(), rollout.completion_mask.bool().tolist(), strict=True)
+    completion_ids = [list(itertools.compress(ids, mask)) for ids, mask in kept]  # one host copy, not one per row
     batch = {**rollout.fields, "prompts": rollout.prompts, "completions": rollout.completions}
     batch["completion_ids"] = completion_ids
     out = torch.empty(len(rollout), len(rewards), dtype=torch.float32)  # [B, K]
