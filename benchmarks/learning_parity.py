@@ -44,7 +44,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+from workload import add_workload_arguments, mean_sd, trl_settings  # benchmarks/workload.py (the script's folder)
 
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
@@ -225,33 +225,7 @@ def run_trl(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     model_path = make_model(root, args)
     dataset = datasets.Dataset.from_list(make_task(TASK, TRAIN_EXAMPLES, seed=0))  # columns: prompt, answer
-    matched = dict(
-        output_dir=str(root / "out"),
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=args.prompts_per_step * args.group_size,  # TRL counts completions
-        gradient_accumulation_steps=1,
-        num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        num_iterations=1,
-        loss_type="grpo",
-        scale_rewards="group",
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        max_steps=args.warmup + args.steps,
-        seed=args.seed,
-        report_to="none",
-        logging_strategy="steps",
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    matched = trl_settings(args, str(root / "out")) | {"logging_strategy": "steps", "logging_steps": 1}
     overrides = trl_overrides(args.trl_set)
     config = GRPOConfig(**(matched | overrides))
     series = Series()

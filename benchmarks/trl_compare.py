@@ -47,7 +47,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+from workload import add_workload_arguments, mean_sd, trl_settings  # benchmarks/workload.py (the script's folder)
 
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
@@ -112,34 +112,7 @@ def run(args: argparse.Namespace, root: Path) -> StepClock:
         root / "model", "llama", seed=0, hidden_size=args.hidden_size, num_layers=args.num_layers
     )
     dataset = datasets.Dataset.from_list(make_task("sort_digits", 4096, seed=0))  # columns: prompt, answer
-    config = GRPOConfig(
-        output_dir=str(root / "out"),
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        per_device_train_batch_size=args.prompts_per_step * args.group_size,
-        gradient_accumulation_steps=1,
-        num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        num_iterations=1,
-        loss_type="grpo",
-        scale_rewards="group",
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        max_steps=args.warmup + args.steps,
-        seed=args.seed,
-        report_to="none",
-        logging_strategy="no",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    config = GRPOConfig(**trl_settings(args, str(root / "out")), logging_strategy="no")
     clock = StepClock()
     trainer = GRPOTrainer(
         model=str(model_path),

@@ -24,3 +24,18 @@ def mean_sd(values: list[float]) -> str:
     """``"mean ± sd"`` with three decimals."""
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def trl_settings(args: argparse.Namespace, output_dir: str) -> dict:
+    """TRL ``GRPOConfig`` keyword arguments for this workload, matched to gpo's (``trl_compare_cpu.md`` has the
+    setting-by-setting table): CPU float32 without gradient checkpointing, one on-policy optimiser step per
+    ``prompts_per_step x group_size`` completions, temperature 1 without top-p/top-k, the grpo loss with group
+    scaling and no reference model, a constant learning rate, clipping at 1.0, no saving or progress bars."""
+    return dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,  # TRL counts completions
+        gradient_accumulation_steps=1, num_generations=args.group_size, max_completion_length=args.max_new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="grpo", scale_rewards="group",
+        learning_rate=args.lr, lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=args.warmup + args.steps,
+        seed=args.seed, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
