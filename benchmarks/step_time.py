@@ -28,10 +28,10 @@ Measured per step:
 
 The bare work runs on a fresh copy of the initial model, outside gpo and Lightning, right after each gpo step
 (outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the
-step's prompts (already repeated ``group_size`` times) with the same sampling settings, plus one
-``model(input_ids, attention_mask).logits -> log_softmax -> gather -> loss -> backward -> AdamW step`` on the
-exact token tensors gpo trained on. Its warm-up is gpo's warm-up steps. Overhead = gpo step time / (bare
-generate + bare train).
+step's prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed,
+plus one ``model(input_ids, attention_mask).logits -> log_softmax -> gather -> loss -> backward -> clip the gradient
+norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's settings ask
+for. Its warm-up is gpo's warm-up steps. Overhead = gpo step time / (bare generate + bare train).
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -139,10 +139,11 @@ class BareWork:
         self.max_new_tokens = args.max_new_tokens
 
     def generate(self, step: Step, seed: int) -> tuple[float, int]:
-        """One ``generate`` call on the step's prompts (already ``group_size`` rows each): seconds, decode steps."""
+        """One ``generate`` call on the step's prompts (already ``group_size`` rows each), in eval mode from a seed,
+        as gpo samples: seconds, decode steps."""
+        started = time.perf_counter()
         self.model.eval()
         torch.manual_seed(seed)
-        started = time.perf_counter()
         out = self.model.generate(
             input_ids=step.prompt_ids,
             attention_mask=step.prompt_mask,
@@ -157,16 +158,18 @@ class BareWork:
         return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
 
     def train(self, step: Step) -> float:
-        """Forward, log-softmax, gather, a policy-gradient loss, backward and an AdamW step on gpo's tensors."""
-        self.model.train()
+        """Forward, log-softmax, gather, a policy-gradient loss, backward, gradient clipping at gpo's
+        ``max_grad_norm`` (1.0) and an AdamW step on gpo's tensors, in train mode."""
         ids, mask, width = step.train_inputs
         targets, weights = ids[:, -width:], mask[:, -width:].float()
         advantages = torch.randn(ids.shape[0], 1)
         started = time.perf_counter()
+        self.model.train()
         logits = self.model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
         loss = -((logp * advantages * weights).sum(-1) / weights.sum(-1).clamp_min(1)).mean()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started
