@@ -22,7 +22,6 @@ Run from the repository root (about a minute per student run on one core)::
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -36,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import mean_sd  # benchmarks/workload.py (the script's folder)
+
+from gpo.plot import find_metrics_csv, read_metrics
 
 MODES = {
     "rl": (),
@@ -52,26 +53,21 @@ def gpo(*args: str) -> None:
         raise SystemExit(f"gpo {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
-def fit(tiny: Path, out: Path, steps: int, seed: int, *extra: str) -> dict[str, list[tuple[int, float]]]:
+def fit(tiny: Path, out: Path, steps: int, seed: int, *extra: str) -> dict[str, list[float]]:
     """One ``gpo fit --config quickstart`` run; its logged ``reward/mean`` and ``val/reward_greedy`` series."""
     gpo("fit", "--config", "quickstart", *extra, f"--model.policy={tiny / 'model'}",
         f"--data.path={tiny / 'train.jsonl'}", f"--data.val_path={tiny / 'val.jsonl'}",
         f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}", f"--seed_everything={seed}",
         f"--trainer.default_root_dir={out}", "--trainer.enable_progress_bar=false")  # fmt: skip
-    series: dict[str, list[tuple[int, float]]] = {"reward/mean": [], "val/reward_greedy": []}
-    with next(out.rglob("metrics.csv")).open() as file:
-        for row in csv.DictReader(file):
-            for name, values in series.items():
-                if row.get(name):
-                    values.append((int(row["step"]), float(row[name])))
-    return series
+    series = read_metrics(find_metrics_csv(out))
+    return {name: series[name][1].tolist() for name in ("reward/mean", "val/reward_greedy")}
 
 
-def summary(series: dict[str, list[tuple[int, float]]]) -> tuple[float, float, float]:
+def summary(series: dict[str, list[float]]) -> tuple[float, float, float]:
     """First-fifth and last-fifth mean training reward, and the last held-out greedy reward."""
-    rewards = [value for _, value in series["reward/mean"]]
+    rewards = series["reward/mean"]
     fifth = max(1, len(rewards) // 5)
-    return statistics.mean(rewards[:fifth]), statistics.mean(rewards[-fifth:]), series["val/reward_greedy"][-1][1]
+    return statistics.mean(rewards[:fifth]), statistics.mean(rewards[-fifth:]), series["val/reward_greedy"][-1]
 
 
 def main() -> None:

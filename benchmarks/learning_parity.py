@@ -44,7 +44,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_workload_arguments, mean_sd, trl_settings  # benchmarks/workload.py (the script's folder)
+from workload import PRESETS, add_workload_arguments, mean_sd, positional_match, trl_settings  # benchmarks/workload.py
 
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
@@ -57,15 +57,7 @@ TRL_RESOLVED = (  # GRPOConfig fields recorded as resolved: those left at TRL's 
     "top_p", "temperature", "epsilon", "epsilon_high", "scale_rewards", "shuffle_dataset", "mask_truncated_completions",
     "generation_batch_size", "steps_per_generation", "max_completion_length",
 )  # fmt: skip
-QUICKSTART = {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3, "warmup": 0, "steps": 300}
-
-
-def positional_match(prompts, completions, answer, **kwargs) -> list[float]:
-    """Fraction of the answer's character positions the stripped completion matches (as gpo.rewards')."""
-    return [
-        sum(a == b for a, b in zip(c.strip(), gold, strict=False)) / len(gold)
-        for c, gold in zip(completions, answer, strict=True)
-    ]
+QUICKSTART = {**PRESETS["quickstart"], "warmup": 0, "steps": 300}
 
 
 @torch.no_grad()

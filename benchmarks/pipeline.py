@@ -37,8 +37,8 @@ import torch
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from step_time import PRESETS, make_workspace  # benchmarks/step_time.py (the script's folder)
-from workload import add_workload_arguments, mean_sd
+from step_time import make_workspace  # benchmarks/step_time.py (the script's folder)
+from workload import PRESETS, add_workload_arguments, mean_sd
 
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine, Sampling

@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from pipeline import median_range  # benchmarks/pipeline.py (the script's folder)
-from step_time import PRESETS, make_workspace
-from workload import add_workload_arguments, mean_sd
+from step_time import make_workspace
+from workload import PRESETS, add_workload_arguments, mean_sd
 
 from gpo.cli.shipped import shipped_algorithm
 from gpo.rewards import positional_match

@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+from workload import PRESETS, add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
 
 import gpo.parallel.fsdp
 import gpo.train.module
@@ -83,10 +83,6 @@ from gpo.train.module import GPOModule
 from gpo.train.optimization import Optimization
 
 PROFILED = ("generate", "sampler_logp", "forward", "backward", "optimiser", "logging", "inside")
-PRESETS = {  # --preset: the sizes of each workload
-    "quickstart": {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3},
-    "long": {"hidden_size": 256, "num_layers": 4, "max_new_tokens": 32, "lr": 1e-6},
-}
 
 
 @dataclass

@@ -47,18 +47,15 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_workload_arguments, mean_sd, trl_settings  # benchmarks/workload.py (the script's folder)
+from workload import (  # benchmarks/workload.py (the script's folder)
+    add_workload_arguments,
+    mean_sd,
+    positional_match,
+    trl_settings,
+)
 
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
-
-
-def positional_match(prompts, completions, answer, **kwargs) -> list[float]:
-    """Fraction of the answer's character positions the stripped completion matches (as gpo.rewards)."""
-    return [
-        sum(a == b for a, b in zip(c.strip(), gold, strict=False)) / len(gold)
-        for c, gold in zip(completions, answer, strict=True)
-    ]
 
 
 class StepClock(TrainerCallback):

@@ -1,9 +1,24 @@
-"""What the step-time benchmarks share: the tiny-llama GRPO workload's command-line arguments and a mean ± sd."""
+"""What the benchmarks share: the tiny-llama GRPO workload's sizes, arguments and reward, TRL's matching settings,
+and a mean ± sd. Free of gpo's trainer and of TRL, so both environments import it."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+
+PRESETS = {  # --preset: the sizes of each workload
+    "quickstart": {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3},
+    "long": {"hidden_size": 256, "num_layers": 4, "max_new_tokens": 32, "lr": 1e-6},
+}
+
+
+def positional_match(prompts, completions, answer, **kwargs) -> list[float]:
+    """Fraction of the answer's character positions the stripped completion matches (``gpo.rewards``' formula, here
+    for TRL's environment, which cannot import ``gpo.rewards``)."""
+    return [
+        sum(a == b for a, b in zip(c.strip(), gold, strict=False)) / len(gold)
+        for c, gold in zip(completions, answer, strict=True)
+    ]
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

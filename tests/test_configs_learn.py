@@ -2,13 +2,13 @@
 train the quickstart task from the random tiny model with the reward rising (``gpo fit --config quickstart --config
 NAME``, as a user runs them)."""
 
-import csv
 import statistics
 from pathlib import Path
 
 import pytest
 
 from gpo.cli import main
+from gpo.plot import find_metrics_csv, read_metrics
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 
@@ -36,8 +36,7 @@ def fit(assets, name: str, config: str | None = None, *extra: str, steps: int = 
     main(["fit", *configs, f"--model.policy={model}", f"--data.path={data}", "--data.val_path=null",
           f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={out}", "--trainer.enable_progress_bar=false",
           *extra])  # fmt: skip
-    with next(out.rglob("metrics.csv")).open() as file:
-        return [float(row["reward/mean"]) for row in csv.DictReader(file) if row.get("reward/mean")]
+    return read_metrics(find_metrics_csv(out))["reward/mean"][1].tolist()
 
 
 @pytest.fixture(scope="module")
