@@ -31,7 +31,10 @@ The bare work runs on a fresh copy of the initial model, outside gpo and Lightni
 step's prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed,
 plus one ``model(input_ids, attention_mask).logits -> log_softmax -> gather -> loss -> backward -> clip the gradient
 norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's settings ask
-for. Its warm-up is gpo's warm-up steps. Overhead = gpo step time / (bare generate + bare train).
+for. Its warm-up is gpo's warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written
+(sampling settings as keyword arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config
+built once, the CPU generator seeded directly); the overhead, gpo step time / (bare generate + bare train), is
+reported against each over its own steps.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -45,6 +48,7 @@ See ``--help`` for the sizes, steps and threads.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import io
 import logging
@@ -56,8 +60,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import lightning as L
@@ -105,6 +111,7 @@ class Step:
     completion_ids: Tensor  # [B, T]
     completion_mask: Tensor  # [B, T]
     bare_generate_s: float = float("nan")
+    bare_lean: bool = False  # the bare generate call was made as gpo makes it (BareWork.generate_lean)
     bare_train_s: float = float("nan")
     bare_width: int = 0
 
@@ -132,25 +139,30 @@ class BareWork:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
-        self.max_new_tokens = args.max_new_tokens
+        self.sampling = {
+            "max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+            "eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id,
+        }  # fmt: skip
+        self.generation_config = copy.deepcopy(self.model.generation_config)
+        self.generation_config.update(**self.sampling)
 
     def generate(self, step: Step, seed: int) -> tuple[float, int]:
         """One ``generate`` call on the step's prompts (already ``group_size`` rows each), in eval mode from a seed,
-        as gpo samples: seconds, decode steps."""
+        written as a hand-made loop usually is: sampling settings as keyword arguments (transformers builds and
+        validates a generation config from them on every call) and ``torch.manual_seed``. Seconds, decode steps."""
+        return self._generate(step, lambda: torch.manual_seed(seed), **self.sampling)
+
+    def generate_lean(self, step: Step, seed: int) -> tuple[float, int]:
+        """The same call as gpo's engine makes it: a generation config built once, and the CPU generator seeded
+        directly (``torch.manual_seed`` also queues the seeding of devices that are not in use)."""
+        seeding = lambda: torch.random.default_generator.manual_seed(seed)  # noqa: E731
+        return self._generate(step, seeding, generation_config=self.generation_config)
+
+    def _generate(self, step: Step, seeding: Callable[[], object], **settings: Any) -> tuple[float, int]:
         started = time.perf_counter()
         self.model.eval()
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=step.prompt_ids,
-            attention_mask=step.prompt_mask,
-            max_new_tokens=self.max_new_tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
+        seeding()
+        out = self.model.generate(input_ids=step.prompt_ids, attention_mask=step.prompt_mask, **settings)
         return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
 
     def train(self, step: Step) -> float:
@@ -244,7 +256,9 @@ class StepRecorder(RolloutCallback):
             completion_mask=r.completion_mask.clone(),
         )
         if self.bare is not None:
-            step.bare_generate_s, step.bare_width = self.bare.generate(step, seed=self.seed + batch_idx)
+            step.bare_lean = bool(batch_idx % 2)  # the two forms of the bare generate call take turns
+            generate = self.bare.generate_lean if step.bare_lean else self.bare.generate
+            step.bare_generate_s, step.bare_width = generate(step, self.seed + batch_idx)
             step.bare_train_s = self.bare.train(step)
         self.steps.append(step)
         if self.profiler is not None and trainer.global_step >= trainer.max_steps:
@@ -308,31 +322,31 @@ def report(steps: list[Step]) -> None:
     mean = statistics.mean
     wall = [s.wall_s for s in steps]
     bare_gen, bare_train = [s.bare_generate_s for s in steps], [s.bare_train_s for s in steps]
-    bare_step = [g + t for g, t in zip(bare_gen, bare_train, strict=True)]
+    forms = {  # the steps whose bare work called generate each way (they take turns)
+        "hand-written": [s for s in steps if not s.bare_lean],
+        "as gpo calls it": [s for s in steps if s.bare_lean],
+    }
     rows = [
-        ("rollout", [s.rollout_s for s in steps], bare_gen),
-        ("- of which `generate`", [s.generate_s for s in steps], bare_gen),
+        ("rollout", [s.rollout_s for s in steps], lambda s: s.bare_generate_s),
+        ("- of which `generate`", [s.generate_s for s in steps], lambda s: s.bare_generate_s),
         ("- of which the sampler log-prob pass", [s.sampler_logp_s for s in steps], None),
-        (
-            "- of which the rest (padding, decoding)",
-            [s.rollout_s - s.generate_s - s.sampler_logp_s for s in steps],
-            None,
-        ),
+        ("- of which the rest (padding, decoding)", [s.rollout_s - s.generate_s - s.sampler_logp_s for s in steps],
+         None),
         ("scoring", [s.scoring_s for s in steps], None),
-        ("training", [s.training_s for s in steps], bare_train),
-        (
-            "outside training_step (loop, data)",
-            [s.wall_s - s.rollout_s - s.scoring_s - s.training_s for s in steps],
-            None,
-        ),
-        ("**step (wall)**", wall, bare_step),
-    ]
-    print("\n## Time per step (mean ± sd over the measured steps)\n")
-    print("| phase | gpo s/step | bare s/step | gpo / bare |")
+        ("training", [s.training_s for s in steps], lambda s: s.bare_train_s),
+        ("outside training_step (loop, data)", [s.wall_s - s.rollout_s - s.scoring_s - s.training_s for s in steps],
+         None),
+        ("**step (wall)**", wall, lambda s: s.bare_generate_s + s.bare_train_s),
+    ]  # fmt: skip
+    print("\n## Time per step (ms, mean ± sd over the measured steps)\n")
+    print("The bare work calls `generate` in two forms, on alternate steps: hand-written (sampling settings as keyword")
+    print("arguments, `torch.manual_seed`) and as gpo's engine calls it (a generation config built once, the CPU")
+    print("generator seeded directly).\n")
+    print("| phase | gpo | bare, `generate` hand-written | bare, `generate` as gpo calls it |")
     print("| --- | ---: | ---: | ---: |")
     for name, ours, theirs in rows:
-        ratio = f"{mean(ours) / mean(theirs):.2f}x" if theirs else "-"
-        print(f"| {name} | {mean_sd(ours)} | {mean_sd(theirs) if theirs else '-'} | {ratio} |")
+        bare = [mean_sd([theirs(s) * 1e3 for s in chosen]) if theirs else "-" for chosen in forms.values()]
+        print(f"| {name} | {mean_sd([v * 1e3 for v in ours])} | {bare[0]} | {bare[1]} |")
     print("\n## Where a gpo step goes (mean ± sd, ms)\n")
     print("| part | ms/step | share of the step |")
     print("| --- | ---: | ---: |")
@@ -350,11 +364,13 @@ def report(steps: list[Step]) -> None:
     for name, values in parts:
         millis = [v * 1e3 for v in values]
         print(f"| {name} | {mean_sd(millis)} | {mean(values) / mean(wall):.1%} |")
-    per_step = statistics.median(w / b for w, b in zip(wall, bare_step, strict=True))
-    print(
-        f"\n**Overhead: {mean(wall) / mean(bare_step):.2f}x** (gpo step / (bare generate + bare train), means; ", end=""
-    )
-    print(f"median of the per-step ratios {per_step:.2f}x)")
+    for form, chosen in forms.items():
+        ours, bare = [s.wall_s for s in chosen], [s.bare_generate_s + s.bare_train_s for s in chosen]
+        per_step = statistics.median(w / b for w, b in zip(ours, bare, strict=True))
+        print(
+            f"\n**Overhead against the bare work with `generate` {form}: {mean(ours) / mean(bare):.2f}x** (gpo step /"
+        )
+        print(f"(bare generate + bare train), means over those steps; median of the per-step ratios {per_step:.2f}x)")
 
     gen_tokens, train_tokens = sum(s.generated_tokens for s in steps), sum(s.train_tokens for s in steps)
     rollout_s, training_s = sum(s.rollout_s for s in steps), sum(s.training_s for s in steps)
@@ -397,6 +413,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", module="lightning")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*overridden after learning rate scheduler.*")  # our timers wrap step
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()

@@ -130,7 +130,7 @@ class _LinearLogProbs(torch.autograd.Function):
             h = hidden[rows]
             z = _linear_chunk(h, weight, bias, ctx.temperature)
             g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
-            g_z = g_z.div_(ctx.temperature)  # [C, V] float32
+            g_z = g_z if ctx.temperature == 1.0 else g_z.div_(ctx.temperature)  # [C, V] float32
             if need_hidden:
                 grad_hidden[rows] = g_z.to(weight.dtype) @ weight
             if need_weight:
@@ -143,9 +143,10 @@ class _LinearLogProbs(torch.autograd.Function):
 
 
 def _linear_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """Scaled float32 logits of one chunk: ``(h W^T + b) / temperature``, ``[C, V]``."""
-    z = torch.nn.functional.linear(h, weight, bias)
-    return z.float().div_(temperature)
+    """Scaled float32 logits of one chunk: ``(h W^T + b) / temperature``, ``[C, V]`` (no pass over them at
+    temperature 1)."""
+    z = torch.nn.functional.linear(h, weight, bias).float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def _flatten(tokens: Tensor, lead_shape: torch.Size) -> tuple[Tensor, bool]:

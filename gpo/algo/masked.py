@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -24,19 +26,24 @@ def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_stats(x: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Detached min/mean/max of ``x`` over the masked entries (zeros when the mask is empty)."""
-    m = mask.bool()
-    if not m.any():
-        zero = x.new_zeros(())
-        return {"min": zero, "mean": zero, "max": zero}
-    values = x.detach()[m]
-    return {"min": values.min(), "mean": values.mean(), "max": values.max()}
+    """Detached min/mean/max of ``x`` over the masked entries (zeros when the mask is empty). No host sync and no
+    boolean indexing: entries outside the mask are replaced by ``+inf``/``-inf`` for the extremes."""
+    m, values = mask.bool(), x.detach()
+    count = m.sum()
+    some = count > 0
+    low = torch.where(m, values, math.inf).amin()
+    high = torch.where(m, values, -math.inf).amax()
+    return {
+        "min": torch.where(some, low, 0.0),
+        "mean": torch.where(m, values, 0.0).sum() / count.clamp_min(1),
+        "max": torch.where(some, high, 0.0),
+    }
 
 
 def group_index(group: Tensor) -> tuple[Tensor, int]:
     """Map arbitrary group ids ``[B]`` to contiguous indices ``[B]`` in ``0..n_groups-1``."""
-    _, index = torch.unique(group, return_inverse=True)
-    return index, int(index.max().item()) + 1 if index.numel() else 0
+    ids, index = torch.unique(group, return_inverse=True)
+    return index, len(ids)
 
 
 def group_sum(x: Tensor, index: Tensor, n_groups: int) -> Tensor:

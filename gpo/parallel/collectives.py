@@ -3,6 +3,7 @@ is not initialised, so the single-process path computes exactly what it computed
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,7 +38,9 @@ def reduce_over_ranks(x: Tensor, op: Literal["sum", "min", "max"]) -> Tensor:
 
 
 def mean_over_ranks(x: Tensor) -> Tensor:
-    """The mean of ``x`` over the ranks, on every rank (one all-reduce)."""
+    """The mean of ``x`` over the ranks, on every rank (one all-reduce; ``x`` itself when not distributed)."""
+    if not is_distributed():
+        return x
     return reduce_over_ranks(x, "sum") / world_size()
 
 
@@ -45,17 +48,24 @@ def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu"
     """Whether every rank holds at least ``needed`` items (rows, prompts); a single process: at least one.
 
     Under DDP all ranks must train a step or all skip it, or the others would wait in a collective for ever; and
-    a rank needs a row for each of its minibatches, as it splits its own rows (``split_rows``)."""
+    a rank needs a row for each of its minibatches, as it splits its own rows (``minibatch_bounds``)."""
     if not is_distributed():
         return count >= 1
     return int(reduce_over_ranks(torch.tensor(count, device=device), "min")) >= needed
 
 
-def split_rows(order: Tensor, parts: int) -> tuple[Tensor, ...]:
-    """A step's rows ``order`` in ``parts`` minibatches. Under DDP each rank splits its own rows, into exactly
-    ``parts`` (``tensor_split``: every rank takes the same number of optimiser steps), and the ranks' minibatch
-    ``k`` together are the global minibatch ``k``; a single process keeps ``chunk``'s split."""
-    return order.tensor_split(parts) if is_distributed() else order.chunk(parts)
+def minibatch_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Where a step's ``rows`` rows split into ``parts`` minibatches, as ``(start, stop)`` positions. Under DDP
+    each rank splits its own rows into exactly ``parts`` (sizes differing by at most one, as ``tensor_split``: every
+    rank takes the same number of optimiser steps), and the ranks' minibatch ``k`` together are the global minibatch
+    ``k``; a single process keeps ``chunk``'s split (``ceil(rows / parts)`` rows each, the last smaller)."""
+    if is_distributed():
+        size, extra = divmod(rows, parts)
+        stops = list(itertools.accumulate(size + (k < extra) for k in range(parts)))
+    else:
+        size = -(-rows // parts)
+        stops = [min(start + size, rows) for start in range(0, rows, size)] if rows else []
+    return list(zip([0, *stops[:-1]], stops, strict=True))
 
 
 def ddp_normaliser(local: Tensor) -> Tensor:

@@ -15,15 +15,12 @@ from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> ``ids[N, P]`` left-padded with ``pad_id`` and ``mask[N, P]``."""
+    """Token lists -> ``ids[N, P]`` left-padded with ``pad_id`` and ``mask[N, P]`` (each built from one list: no
+    per-row tensor)."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, tokens in enumerate(sequences):
-        if tokens:
-            ids[row, width - len(tokens) :] = torch.tensor(tokens)
-            mask[row, width - len(tokens) :] = 1
-    return ids, mask
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    return ids.reshape(len(sequences), width), mask.reshape(len(sequences), width)
 
 
 def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
@@ -96,7 +93,7 @@ class HFEngine(RolloutEngine):
                 seed_generator(seed, device)
             config = self._generation_config(sampling, greedy)
             chunks = [self._sample(ids[i : i + step], mask[i : i + step], config) for i in range(0, len(ids), step)]
-        completion = _right_pad([c for c in chunks], self.pad_id)  # [B, T]
+        completion = chunks[0] if len(chunks) == 1 else _right_pad(chunks, self.pad_id)  # [B, T]
         completion_mask_, truncated = completion_mask(completion, self.eos_id)
         completion = completion.masked_fill(completion_mask_ == 0, self.pad_id)
         rollout = Rollout(ids, mask, completion, completion_mask_, truncated, group)

@@ -89,7 +89,7 @@ class VLLMServers:
 
     def wait_until_healthy(self) -> None:
         """Poll every server's ``GET /health`` until each has answered 200; TimeoutError naming those that did not
-        after ``health_max_wait_s``."""
+        after ``health_max_wait_s``. A 404 is final (no waiting makes a missing route appear): VLLMServerError."""
         deadline = time.monotonic() + self.health_max_wait_s
         waiting = {url: "no answer" for url in self.urls}
         while True:
@@ -97,6 +97,11 @@ class VLLMServers:
                 problem = self._health_problem(url, deadline)
                 if problem is None:
                     del waiting[url]
+                elif problem == "HTTP 404":
+                    raise VLLMServerError(
+                        f"{url} answered GET /health with HTTP 404: it is not the root of a vLLM OpenAI-compatible "
+                        f"server. Set {self.where}.base_url to the server's root, e.g. http://127.0.0.1:8000 (no /v1)."
+                    )
                 else:
                     waiting[url] = problem
             if not waiting:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from lightning import LightningModule
@@ -16,6 +15,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
+from gpo.algo.gates.base import Metrics
 from gpo.algo.objective import PolicyObjective
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
@@ -151,21 +151,29 @@ class Learner:
 
     def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor]:
         """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics as
-        0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied)."""
+        0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied).
+
+        The first epoch takes the rows in order, as slices (views, no copies); later epochs shuffle them. Completion
+        widths are read on the host once per step, so no micro-batch waits for the device."""
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
         mask, mask_metrics = self.objective.step_mask(mask, adv, **inputs)  # before any normaliser is taken
         adv = self.objective.weigh(adv, mask, **inputs)
+        batch = StepBatch(rollout, adv, mask, inputs, rollout.completion_mask.sum(-1).tolist())
         zero = torch.zeros((), device=backend.device)
-        sums: dict[str, Tensor] = defaultdict(lambda: zero)
-        updates = skipped = 0
-        for _ in range(self.optim.ppo_epochs):
-            order = torch.randperm(len(rollout)) if updates + skipped else torch.arange(len(rollout))
-            for rows in collectives.split_rows(order.to(backend.device), self.optim.number_of_minibatches):
-                applied = self._minibatch(rollout, adv, mask, inputs, rows, backend, sums)
-                updates, skipped = updates + applied, skipped + (not applied)
-        out = {key: value / self.optim.ppo_epochs for key, value in sums.items()}
-        for per_update in ("loss", "grad/norm"):
-            out[per_update] = sums[per_update] / updates if updates else zero + math.nan
+        measured: list[tuple[float, Metrics]] = []  # (weight, a micro-batch's metrics)
+        losses, norms, skipped = [], [], 0
+        bounds = collectives.minibatch_bounds(len(rollout), self.optim.number_of_minibatches)
+        for epoch in range(self.optim.ppo_epochs):
+            order = torch.randperm(len(rollout)) if epoch else None  # None: the rows in order
+            for start, stop in bounds:
+                applied = self._minibatch(batch, order, start, stop, backend, measured)
+                if applied is None:
+                    skipped += 1
+                else:
+                    losses.append(applied[0])
+                    norms.append(applied[1])
+        out = weighted_sum(measured)
+        out["loss"], out["grad/norm"] = (mean(losses), mean(norms)) if losses else (zero + math.nan, zero + math.nan)
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
         if self.objective.adapts and "entropy" in out:  # the adaptive coefficient follows the mean over every rank
@@ -210,43 +218,48 @@ class Learner:
             inputs |= {"old_router_logp": old.router_logp, "old_topk_logp": old.topk_logp, "topk_ids": old.topk_ids}
         return {k: v for k, v in inputs.items() if v is not None}, metrics
 
-    def _minibatch(self, rollout, adv, mask, inputs, rows: Tensor, backend: Backend, sums: dict[str, Tensor]) -> bool:
-        """One optimiser update on minibatch ``rows``; adds its diagnostics to ``sums``; False when skipped."""
-        normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(mask[rows]))  # global batch
+    def _minibatch(
+        self, batch: StepBatch, order: Tensor | None, start: int, stop: int, backend: Backend,
+        measured: list[tuple[float, Metrics]],
+    ) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+        """One optimiser update on the rows at positions ``start:stop`` of ``order`` (None: the rows in order);
+        appends each micro-batch's diagnostics to ``measured``, weighted by its share of the step's rows per epoch;
+        returns the update's loss and gradient norm, or None when it was skipped (not finite)."""
+        minibatch = batch.rows(order, start, stop)
+        normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(batch.mask[minibatch.index]))
+        size = self.optim.micro_batch_size or stop - start
+        micros = [batch.rows(order, a, min(a + size, stop)) for a in range(start, stop, size)]
         backend.optimizer.zero_grad()
-        micros = rows.split(self.optim.micro_batch_size or len(rows))
         if backend.sharded:
             fsdp.check_same_count(len(micros), "micro-batches", backend.device)
-        loss_sum = torch.zeros((), device=backend.device)
+        losses = []
         for index, micro in enumerate(micros):
-            loss, metrics = self._micro_loss(rollout, adv, mask, inputs, micro, normaliser)
+            loss, metrics = self._micro_loss(batch, micro, normaliser)
             with backend.gradient_sync(index == len(micros) - 1):
                 backend.backward(loss)
-            loss_sum = loss_sum + loss.detach()  # micro-batch losses add up to the minibatch loss
-            for key, value in metrics.items():
-                sums[key] = sums[key] + value.detach().float() * (len(micro) / len(rollout))
-        loss_sum = collectives.mean_over_ranks(loss_sum)  # over the global batch
+            losses.append(loss.detach())  # micro-batch losses add up to the minibatch loss
+            share = micro.count / len(batch.rollout) / self.optim.ppo_epochs
+            measured.append((share, {key: value.detach() for key, value in metrics.items()}))
+        loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
         norm = fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)  # FSDP2: global norm
-        loss_value, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one host sync per update
+        loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()  # one host sync per update
         if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step):
             backend.optimizer.zero_grad()
-            return False
-        sums["loss"] = sums["loss"] + loss_sum
-        sums["grad/norm"] = sums["grad/norm"] + norm
+            return None
         backend.optimizer.step()
         backend.scheduler.step()
-        return True
+        return loss, norm
 
-    def _micro_loss(self, rollout, adv, mask, inputs, rows, normaliser) -> tuple[Tensor, dict]:
-        width = int(rollout.completion_mask[rows].sum(-1).max().clamp_min(1))  # drop all-padding columns
+    def _micro_loss(self, batch: StepBatch, micro: Rows, normaliser: Tensor) -> tuple[Tensor, Metrics]:
+        rollout, rows, width = batch.rollout, micro.index, micro.width
         ids = torch.cat([rollout.prompt_ids[rows], rollout.completion_ids[rows, :width]], 1)
         attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows, :width]], 1)
         requires = self.objective.requires
-        at_ids = inputs["topk_ids"][rows, :width] if "topk_logp" in requires else None
+        at_ids = batch.inputs["topk_ids"][rows, :width] if "topk_logp" in requires else None
         scores = self.scorer.train_scores(ids, attn, width, router="router_logp" in requires, at_ids=at_ids)
         fixed = {  # [B, T, ...] rows, or [L, B, T, E] for the router
-            k: v[:, rows, :width] if k == "old_router_logp" else v[rows, :width] for k, v in inputs.items()
+            k: v[:, rows, :width] if k == "old_router_logp" else v[rows, :width] for k, v in batch.inputs.items()
         }
         fixed.pop("topk_ids", None)
         old = fixed.pop("old_logp", None)
@@ -254,6 +267,51 @@ class Learner:
             k: v for k, v in (("router_logp", scores.router_logp), ("topk_logp", scores.topk_logp)) if k in requires
         }
         return self.objective(
-            scores.logp, scores.logp.detach() if old is None else old, adv[rows, :width], mask[rows, :width],
-            normaliser, entropy=scores.entropy, **fixed, **current,
+            scores.logp, scores.logp.detach() if old is None else old, batch.adv[rows, :width],
+            batch.mask[rows, :width], normaliser, entropy=scores.entropy, **fixed, **current,
         )  # fmt: skip
+
+
+class Rows(NamedTuple):
+    """Some of a step's rows: how to index them, their completion width and how many there are."""
+
+    index: slice | Tensor  # a slice (rows in order: views, no copies) or row indices on the step's device
+    width: int  # the longest completion among them (at least 1): all-padding columns are not scored
+    count: int
+
+
+@dataclass
+class StepBatch:
+    """What a step's updates read: the rollout, its advantages, loss mask and fixed inputs, and each row's completion
+    length on the host (so choosing rows and widths never waits for the device)."""
+
+    rollout: Rollout
+    adv: Tensor  # [B, T]
+    mask: Tensor  # [B, T]
+    inputs: dict[str, Tensor]
+    lengths: list[int]  # [B]
+
+    def rows(self, order: Tensor | None, start: int, stop: int) -> Rows:
+        """The rows at positions ``start:stop`` of ``order`` (a CPU permutation; None: the rows in order)."""
+        if order is None:
+            return Rows(slice(start, stop), max([1, *self.lengths[start:stop]]), stop - start)
+        picked = order[start:stop]
+        width = max([1, *(self.lengths[row] for row in picked.tolist())])
+        return Rows(picked.to(self.mask.device), width, stop - start)
+
+
+def weighted_sum(measured: list[tuple[float, Metrics]]) -> Metrics:
+    """``sum_k w_k m_k`` per key over ``(w_k, m_k)`` (a key missing from ``m_k`` counts as 0); a single record of
+    weight 1 is returned as it is, with no tensor operation."""
+    if len(measured) == 1 and measured[0][0] == 1.0:
+        return dict(measured[0][1])
+    out: Metrics = {}
+    for weight, metrics in measured:
+        for key, value in metrics.items():
+            out[key] = out[key] + weight * value if key in out else weight * value
+    return out
+
+
+def mean(values: list[Tensor]) -> Tensor:
+    """The mean of 0-d tensors (the one itself when there is one)."""
+    return values[0] if len(values) == 1 else torch.stack(values).mean()

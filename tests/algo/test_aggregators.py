@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
 
 from gpo.algo import ClipGate, ConstantNorm, GeometricMeanGate, SequenceClipGate, SequenceMean, SequenceSum, TokenMean
+from gpo.algo.masked import masked_stats
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0], [2.0, 2.0, 5.0, 7.0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
@@ -83,3 +86,12 @@ def test_per_micro_batch_normalisation_would_differ(batch):
         (grad,) = torch.autograd.grad(aggregator(loss, batch.mask[rows]) / 2, batch.logp)
         naive += grad
     assert not torch.allclose(naive, full)
+
+
+def test_masked_stats_hand_worked_and_blind_to_values_outside_the_mask():
+    x = torch.tensor([[0.5, 2.0, math.nan], [-1.0, math.inf, 3.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    stats = masked_stats(x, mask)
+    assert [stats[k].item() for k in ("min", "mean", "max")] == [-1.0, pytest.approx(1.5 / 3), 2.0]
+    empty = masked_stats(x, torch.zeros_like(mask))
+    assert [empty[k].item() for k in ("min", "mean", "max")] == [0.0, 0.0, 0.0]

@@ -74,12 +74,23 @@ def test_without_a_process_group_every_collective_returns_its_input():
     gathered, rows = collectives.gather_rows(x)
     assert gathered is x and rows == slice(0, 3)
     assert collectives.reduce_over_ranks(x, "sum") is x and collectives.ddp_normaliser(x) is x
+    assert collectives.mean_over_ranks(x) is x
     metrics = {"loss": torch.tensor(1.5)}
     assert collectives.reduce_metrics(metrics, "mean") is metrics
     assert collectives.gather_objects("a") == ["a"]
-    order = torch.arange(7)
-    assert [p.tolist() for p in collectives.split_rows(order, 3)] == [p.tolist() for p in order.chunk(3)]
+    for rows, parts in ((7, 3), (10, 4), (8, 4), (3, 3)):  # chunk's split: ceil(rows / parts) rows each
+        order = torch.arange(rows)
+        bounds = collectives.minibatch_bounds(rows, parts)
+        assert [order[a:b].tolist() for a, b in bounds] == [p.tolist() for p in order.chunk(parts)]
     assert collectives.every_rank_holds(1, 4) and not collectives.every_rank_holds(0, 1)
+
+
+def test_under_ddp_each_rank_splits_its_rows_into_exactly_the_minibatches_asked(monkeypatch):
+    monkeypatch.setattr(collectives, "is_distributed", lambda: True)
+    for rows, parts in ((7, 3), (10, 4), (3, 3), (2, 3)):  # tensor_split's split: sizes differ by at most one
+        order = torch.arange(rows)
+        bounds = collectives.minibatch_bounds(rows, parts)
+        assert [order[a:b].tolist() for a, b in bounds] == [p.tolist() for p in order.tensor_split(parts)]
 
 
 def reduce_worker(rank: int, port: int, out: str) -> None:

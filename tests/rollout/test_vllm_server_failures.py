@@ -138,6 +138,14 @@ def test_the_health_wait_names_each_server_that_never_answers_and_waits_for_a_sl
     assert "health_max_wait_s=1.0" in message and "raise health_max_wait_s" in message
 
 
+def test_a_base_url_that_is_not_a_server_root_fails_at_once_with_the_fix():
+    with serve(StandIn().app()) as url:
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError, match=r"/v1 answered GET /health with HTTP 404.*root.*\(no /v1\)"):
+            ready(VLLMServerEngine(base_url=f"{url}/v1", health_max_wait_s=10.0, health_interval_ms=100))
+        assert time.monotonic() - started < 2.0  # not the whole health wait
+
+
 def test_base_url_takes_one_address_or_a_list_of_distinct_ones():
     assert VLLMServerEngine(base_url="http://h:1/").servers.urls == ["http://h:1"]
     assert VLLMServerEngine(base_url=["http://h:1", "http://h:2"]).servers.urls == ["http://h:1", "http://h:2"]

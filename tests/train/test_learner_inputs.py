@@ -17,7 +17,7 @@ from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import LocalTeacher
 from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_config, tiny_model
-from gpo.train.learner import Backend, Learner
+from gpo.train.learner import Backend, Learner, weighted_sum
 from gpo.train.optimization import Optimization
 
 
@@ -118,3 +118,18 @@ def test_a_teacher_whose_vocabulary_cannot_hold_the_policys_tokens_is_refused():
     with pytest.raises(ValueError, match=r"model.teacher's input embedding has 10 rows .* same family"):
         small.setup(char_tokenizer())
     LocalTeacher(tiny_model("llama")).setup(char_tokenizer())  # the same vocabulary: accepted
+
+
+def test_step_metrics_are_the_row_weighted_sum_over_micro_batches_and_epochs():
+    one = {"entropy": torch.tensor(2.0)}
+    assert weighted_sum([(1.0, one)])["entropy"] is one["entropy"]  # one update: handed on as it is
+    # two epochs of micro-batches of 3 and 1 rows out of 4: weights 3/8, 1/8, 3/8, 1/8; "clip" only in some
+    measured = [
+        (3 / 8, {"entropy": torch.tensor(1.0), "clip": torch.tensor(0.5)}),
+        (1 / 8, {"entropy": torch.tensor(5.0)}),
+        (3 / 8, {"entropy": torch.tensor(2.0), "clip": torch.tensor(1.0)}),
+        (1 / 8, {"entropy": torch.tensor(6.0)}),
+    ]
+    out = weighted_sum(measured)
+    assert out["entropy"].item() == pytest.approx((3 * 1 + 5 + 3 * 2 + 6) / 8)
+    assert out["clip"].item() == pytest.approx((3 * 0.5 + 3 * 1.0) / 8)
