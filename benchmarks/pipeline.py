@@ -38,7 +38,7 @@ from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from step_time import make_workspace  # benchmarks/step_time.py (the script's folder)
-from workload import PRESETS, add_workload_arguments, mean_sd
+from workload import add_preset_argument, add_workload_arguments, mean_sd
 
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine, Sampling
@@ -147,13 +147,11 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="workload sizes (explicit flags still override)")
+    add_preset_argument(parser)
     parser.add_argument("--modes", nargs="+", default=["sync@2", "sync@1", "s=1", "s=2"], help="(default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--sampler-threads", type=int, default=1, help="worker threads (default: %(default)s)")
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="(default: %(default)s)")
-    if "--preset" in sys.argv:
-        parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
     parser.set_defaults(threads=2)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

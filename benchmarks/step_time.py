@@ -74,7 +74,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import PRESETS, add_workload_arguments, mean_sd  # benchmarks/workload.py (the script's folder)
+from workload import add_preset_argument, add_workload_arguments, mean_sd  # benchmarks/workload.py
 
 import gpo.parallel.fsdp
 import gpo.train.module
@@ -397,11 +397,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="print cProfile's TOP entries for the measured gpo steps instead"
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="workload sizes (explicit flags still override)")
+    add_preset_argument(parser)
     parser.add_argument("--loggers", choices=["default", "none"], default="default", help="CSV + TensorBoard, or none")
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="(default: %(default)s, the quickstart's)")
-    if "--preset" in sys.argv:  # the preset's sizes become the defaults, so explicit flags still win
-        parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")

@@ -21,6 +21,7 @@ torch, tokenizers and transformers, so this script builds the model itself. Run 
 
     /tmp/trl-venv/bin/python benchmarks/trl_compare.py
     python benchmarks/step_time.py            # gpo on the same workload, for the side-by-side
+    /tmp/trl-venv/bin/python benchmarks/trl_compare.py --preset quickstart --steps 300   # short steps
 
 See ``--help`` for the sizes, steps and threads (the defaults match ``step_time.py``).
 """
@@ -48,6 +49,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import (  # benchmarks/workload.py (the script's folder)
+    add_preset_argument,
     add_workload_arguments,
     mean_sd,
     positional_match,
@@ -151,6 +153,7 @@ def report(clock: StepClock, warmup: int) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
+    add_preset_argument(parser)
     return parser.parse_args()
 
 

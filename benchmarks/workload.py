@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 PRESETS = {  # --preset: the sizes of each workload
     "quickstart": {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3},
@@ -33,6 +34,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run and of sampling (default: %(default)s)")
+
+
+def add_preset_argument(parser: argparse.ArgumentParser) -> None:
+    """``--preset quickstart|long``: that workload's sizes become the defaults, so explicit flags still win."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="workload sizes (explicit flags still override)")
+    if "--preset" in sys.argv:
+        parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
 
 
 def mean_sd(values: list[float]) -> str:
