@@ -63,7 +63,8 @@ def math_answer(prompts: list[str], completions: list[str], **columns: Any) -> l
     Uses ``math-verify``: the answer is taken from ``\\boxed{}`` or an "answer:" phrase if present, else the last
     LaTeX or plain number/expression, and compared symbolically and numerically (``0.5`` equals
     ``\\frac{1}{2}``, ``1,000`` equals ``1000``). No parsable math on either side, or a timeout, scores 0.0.
-    Timeouts (5 s per step) are enforced only in the main thread; see ``gpo.rewards.answers``.
+    Each parse and comparison may take 5 s; off the main thread, where math-verify cannot bound them, they run in a
+    child process (``gpo.rewards.answers``).
     """
     golds = answer_column("math_answer", completions, columns)
     return [float(ok) for ok in math_equal_batch(golds, completions)]

@@ -2,10 +2,12 @@
 
 import math
 import threading
+import time
 
 import pytest
 
 from gpo.rewards import LengthPenalty, RegexFormat, exact_match, math_answer, positional_match
+from gpo.rewards.answers import MathChild
 
 PROMPTS = ["q"] * 4
 IDS = [[1]] * 4  # the trainer always passes completion_ids
@@ -78,12 +80,38 @@ def test_math_answer_wrong_empty_or_unparsable_scores_zero():
     assert scores == [0.0] * 6
 
 
-def test_math_answer_works_off_the_main_thread():
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(s=math_answer(["q"], ["0.5"], answer=[r"\frac{1}{2}"])))
+PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"  # unbounded, sympy computes it for over 100 s holding the GIL
+
+
+def off_the_main_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in another thread; the main thread counts its own half-second ticks meanwhile."""
+    result, ticks = {}, 0
+    thread = threading.Thread(target=lambda: result.update(value=fn(*args, **kwargs)), daemon=True)
     thread.start()
-    thread.join()
-    assert result["s"] == [1.0]
+    while thread.is_alive() and ticks < 120:
+        time.sleep(0.5)
+        ticks += 1
+    return result.get("value"), ticks
+
+
+def test_math_answer_off_the_main_thread_scores_alike_and_bounds_a_pathological_answer():
+    completions, golds = ["0.5", r"\boxed{5}", "x = 5", "none", PATHOLOGICAL], [r"\frac{1}{2}", *["5"] * 4]
+    in_main = math_answer(["q"] * 4, completions[:4], answer=golds[:4])  # the pathological one: 5 s, then 0.0
+    started = time.monotonic()
+    off_main, ticks = off_the_main_thread(math_answer, ["q"] * 5, completions, answer=golds)
+    assert off_main == [*in_main, 0.0] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert time.monotonic() - started < 30 and ticks >= 2  # bounded, and the main thread ran meanwhile
+
+
+def test_a_math_child_that_overruns_is_stopped_and_the_next_request_starts_a_new_one(caplog):
+    child = MathChild()
+    assert child.check(["5"], [r"\boxed{5}"]) == [True]
+    first = child.process
+    with caplog.at_level("WARNING"):
+        assert child.check(["5"], [PATHOLOGICAL], deadline_s=0.5) == [False]  # its own bound is 5 s
+    assert "took over 0.5 s in its child process, which was stopped; they score 0.0" in caplog.text
+    assert first.poll() is not None and child.check(["5", "5"], ["5", "4"]) == [True, False]
+    child.process.kill()
 
 
 # --- positional_match ---
