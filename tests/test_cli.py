@@ -1,5 +1,6 @@
 """``gpo fit`` logs to CSV and TensorBoard by default, and ``gpo plot`` draws the run it wrote."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,19 @@ def test_a_logger_the_user_sets_replaces_the_defaults(root):
     assert (own / "lightning_logs/version_0/metrics.csv").is_file()
     assert not list(own.rglob("events.out.tfevents.*"))
     assert not list(fit(root, "none", "--trainer.logger=false").rglob("metrics.csv"))
+
+
+def test_a_reward_in_the_working_directory_is_found_by_its_module_name(root, tmp_path, monkeypatch):
+    from gpo.cli import run
+
+    (tmp_path / "rewards_here.py").write_text("def starts_with_digit(prompts, completions, **_):\n"
+                                              "    return [float(c[:1].isdigit()) for c in completions]\n")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
+    run([*args, "--model.rewards=[rewards_here.starts_with_digit]", "--trainer.max_steps=1", "--data.val_path=null",
+         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path / 'run'}"])  # fmt: skip
+    assert "reward/starts_with_digit" in (tmp_path / "run/lightning_logs/version_0/metrics.csv").read_text()
 
 
 def test_model_tokenizer_also_tokenises_the_prompts(root, tmp_path):

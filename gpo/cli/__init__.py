@@ -77,9 +77,14 @@ def overview() -> str:
 
 def run(argv: list[str] | None = None) -> None:
     """The console entry point: ``main``, with configuration and input errors printed as a short message naming the
-    setting and the fix (exit status 2) instead of a traceback. ``GPO_TRACEBACK=1`` shows the traceback."""
+    setting and the fix (exit status 2) instead of a traceback. ``GPO_TRACEBACK=1`` shows the traceback.
+
+    The working directory goes on the import path, last (so it shadows no installed package), as ``python -m`` would
+    put it first: ``model.rewards: [my_rewards.fn]`` finds ``./my_rewards.py``."""
     from gpo.train.checkpointing import CheckpointError
 
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     args = sys.argv[1:] if argv is None else argv
     try:
         args = with_shipped_configs(args)
