@@ -77,7 +77,8 @@ class MathChild:
     "completions": [...]}`` in, one JSON list of booleans out (``serve_comparisons``). Started on first use (about
     2 s: Python and sympy), shared by the threads of this process one request at a time, and stopped when this
     process ends (its input closes). A request unanswered after ``MATH_TIMEOUT_S`` per parse and comparison, plus
-    ``START_S``, kills the child: that batch scores False with a warning, and the next request starts a new child."""
+    ``START_S``, kills the child: that batch scores False with a warning, and the next request starts a new child.
+    A child that ends by itself (an error, printed on stderr) raises, for ``model.reward_errors`` to handle."""
 
     START_S = 30.0
 
@@ -96,19 +97,19 @@ class MathChild:
             process.stdin.write(request)
             process.stdin.flush()
             answer = _read_line(process.stdout, deadline_s)
+            if answer == "":  # the child ended: an error of its own, printed on stderr, not a slow comparison
+                self.process = None
+                raise RuntimeError(
+                    f"math_answer's child process ended with exit code {process.wait()} while comparing "
+                    f"{len(completions)} completions; its error is printed above."
+                )
             if answer is None:
-                ended = process.poll()
                 process.kill()
                 process.wait()
                 self.process = None
-                what = (
-                    f"took over {deadline_s:g} s in its child process, which was stopped"
-                    if ended is None
-                    else f"ended its child process (exit code {ended})"
-                )
                 logger.warning(
-                    "math_answer: comparing %d completions %s; they score 0.0 (the first: %r).",
-                    len(completions), what, completions[0][:200],
+                    "math_answer: comparing %d completions took over %g s in its child process, which was stopped; "
+                    "they score 0.0 (the first: %r).", len(completions), deadline_s, completions[0][:200],
                 )  # fmt: skip
                 return [False] * len(completions)
         return json.loads(answer)
@@ -127,9 +128,9 @@ class MathChild:
 
 
 def _read_line(stream: IO[str], deadline_s: float) -> str | None:
-    """The next line of ``stream`` within ``deadline_s`` seconds, or None (also when the stream ends)."""
+    """The next line of ``stream`` within ``deadline_s`` seconds: ``""`` when the stream ends, None on time out."""
     ready, _, _ = select.select([stream], [], [], deadline_s)
-    return (stream.readline() or None) if ready else None
+    return stream.readline() if ready else None
 
 
 _child = MathChild()

@@ -1,6 +1,8 @@
 """Built-in rewards: hand-worked scores, edge cases and error messages."""
 
 import math
+import subprocess
+import sys
 import threading
 import time
 
@@ -112,6 +114,15 @@ def test_a_math_child_that_overruns_is_stopped_and_the_next_request_starts_a_new
     assert "took over 0.5 s in its child process, which was stopped; they score 0.0" in caplog.text
     assert first.poll() is not None and child.check(["5", "5"], ["5", "4"]) == [True, False]
     child.process.kill()
+
+
+def test_a_math_child_that_fails_by_itself_is_an_error_not_zero_scores(monkeypatch):
+    child = MathChild()
+    failing = [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(3)"]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    monkeypatch.setattr(child, "_start", lambda: subprocess.Popen(failing, **pipes))
+    with pytest.raises(RuntimeError, match=r"child process ended with exit code 3 while comparing 1 completions"):
+        child.check(["5"], ["5"])
 
 
 # --- positional_match ---
