@@ -119,8 +119,9 @@ def score(rewards: Sequence[RewardFn], rollout: Rollout, errors: RewardErrors = 
 def _run(fn: RewardFn, batch: dict[str, list], size: int, errors: RewardErrors) -> tuple[list, _Failure | None]:
     """One function's values on the batch (``errors.value`` where unknown) and what went wrong, if anything."""
     name, first = reward_name(fn), _first_row(batch, size)
+    watch = None if _bounded(fn) else (errors.warn_after_s, f"reward function {name!r} {first}")
     try:
-        values = _call(fn, batch, errors.timeout_s, (errors.warn_after_s, f"reward function {name!r} {first}"))
+        values = _call(fn, batch, None if _bounded(fn) else errors.timeout_s, watch)
     except _Timeout:
         message = f"reward function {name!r} did not return within timeout_s={errors.timeout_s} {first}"
         return [errors.value] * size, _Failure(f"{message}; its thread is abandoned", size)
@@ -190,6 +191,11 @@ def _call(fn: RewardFn, batch: dict[str, list], timeout_s: float | None, watch: 
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _bounded(fn: RewardFn) -> bool:
+    """Whether ``fn`` declares that it returns promptly (``gpo.rewards.bounded_time``): called directly, untimed."""
+    return getattr(fn, "bounded_time", False)
 
 
 def _first_raising_row(fn: RewardFn, batch: dict[str, list], size: int, timeout_s: float | None) -> str | None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from jsonargparse import ArgumentParser
 
+from gpo.rewards import bounded_time, exact_match, positional_match
 from gpo.rewards.runner import MAX_SINGLE_ROW_RETRIES, RewardError, RewardErrors, score
 from gpo.rollout.base import Rollout
 
@@ -257,6 +258,23 @@ def test_a_slow_reward_function_is_reported_while_the_run_waits(caplog, timeout_
 
 def test_the_default_timeout_is_finite():
     assert 0 < RewardErrors().timeout_s < float("inf") and RewardErrors().warn_after_s < RewardErrors().timeout_s
+
+
+def test_a_reward_declared_bounded_runs_in_the_calling_thread_and_others_in_a_timed_one():
+    threads = {}
+
+    def record(name):
+        def reward(prompts, completions, **_):
+            threads[name] = threading.current_thread()
+            return [1.0] * len(completions)
+
+        reward.__name__ = name
+        return reward
+
+    scores = score([bounded_time(record("declared")), record("plain")], make_rollout(), RewardErrors(timeout_s=5.0))
+    assert scores.values.tolist() == [[1.0, 1.0]] * 4
+    assert threads["declared"] is threading.current_thread() and threads["plain"] is not threading.current_thread()
+    assert exact_match.bounded_time and positional_match.bounded_time  # built-ins that are one pass over strings
 
 
 def test_an_exception_inside_the_timeout_thread_reaches_the_caller():
