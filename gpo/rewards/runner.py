@@ -119,14 +119,16 @@ def score(rewards: Sequence[RewardFn], rollout: Rollout, errors: RewardErrors = 
 def _run(fn: RewardFn, batch: dict[str, list], size: int, errors: RewardErrors) -> tuple[list, _Failure | None]:
     """One function's values on the batch (``errors.value`` where unknown) and what went wrong, if anything."""
     name, first = reward_name(fn), _first_row(batch, size)
-    watch = None if _bounded(fn) else (errors.warn_after_s, f"reward function {name!r} {first}")
+    bounded = _bounded(fn)  # called directly: no time limit, no slow-call report
+    timeout_s = None if bounded else errors.timeout_s
+    watch = None if bounded else (errors.warn_after_s, f"reward function {name!r} {first}")
     try:
-        values = _call(fn, batch, None if _bounded(fn) else errors.timeout_s, watch)
+        values = _call(fn, batch, timeout_s, watch)
     except _Timeout:
         message = f"reward function {name!r} did not return within timeout_s={errors.timeout_s} {first}"
         return [errors.value] * size, _Failure(f"{message}; its thread is abandoned", size)
     except Exception as exc:
-        culprit = _first_raising_row(fn, batch, size, errors.timeout_s) if errors.policy == "fail" else None
+        culprit = _first_raising_row(fn, batch, size, timeout_s) if errors.policy == "fail" else None
         message = f"reward function {name!r} raised {_describe(exc)} {culprit or first}"
         return [errors.value] * size, _Failure(message, size, exc)
     if not isinstance(values, list) or len(values) != size:
