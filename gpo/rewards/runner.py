@@ -39,7 +39,7 @@ class RewardErrors:
         timeout_s: seconds one call of a reward function may take (None: no limit). The call then runs in a
             daemon thread; a thread cannot be killed, so one that overruns is abandoned: it runs on unobserved
             (still using CPU if it computes) until it returns or the process ends. With no limit the call runs in
-            the main thread (where ``math_answer`` can time out each expression itself).
+            the calling thread, as does a reward declared ``gpo.rewards.bounded_time`` whatever the limit.
         warn_after_s: a call still running after this many seconds is reported (function and prompt named) while
             the run waits for it.
     """
