@@ -35,7 +35,7 @@ def masked_stats(x: Tensor, mask: Tensor) -> dict[str, Tensor]:
     high = torch.where(m, values, -math.inf).amax()
     return {
         "min": torch.where(some, low, 0.0),
-        "mean": torch.where(m, values, 0.0).sum() / count.clamp_min(1),
+        "mean": masked_sum(values, m) / count.clamp_min(1),
         "max": torch.where(some, high, 0.0),
     }
 

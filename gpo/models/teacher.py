@@ -107,10 +107,11 @@ class ServerTeacher(Teacher):
         self.servers.wait_until_healthy()
 
     def logp(self, rollout: Rollout) -> Tensor:
-        ids, kept = rollout.input_ids, rollout.attention_mask.bool()  # [B, P + T]: prompt and completion tokens
+        # [B, P + T] prompt and completion tokens, copied to the host once (not a copy per row)
+        ids, kept = rollout.input_ids.cpu(), rollout.attention_mask.bool().cpu()
         scored = self.servers.prompt_logprobs([row[keep].tolist() for row, keep in zip(ids, kept, strict=True)])
         logp = torch.zeros(ids.shape, dtype=torch.float32)  # [B, P + T]
         for row, values in enumerate(scored):
-            logp[row, kept[row].cpu()] = torch.tensor([0.0, *values])  # the first token has no log-prob
-        logp = logp[:, -rollout.completion_ids.shape[1] :].to(ids.device)  # [B, T]
+            logp[row, kept[row]] = torch.tensor([0.0, *values])  # the first token has no log-prob
+        logp = logp[:, -rollout.completion_ids.shape[1] :].to(rollout.completion_ids.device)  # [B, T]
         return torch.where(rollout.completion_mask.bool(), logp, torch.zeros_like(logp))

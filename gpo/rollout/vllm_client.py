@@ -97,11 +97,6 @@ class VLLMServers:
                 problem = self._health_problem(url, deadline)
                 if problem is None:
                     del waiting[url]
-                elif problem == "HTTP 404":
-                    raise VLLMServerError(
-                        f"{url} answered GET /health with HTTP 404: it is not the root of a vLLM OpenAI-compatible "
-                        f"server. Set {self.where}.base_url to the server's root, e.g. http://127.0.0.1:8000 (no /v1)."
-                    )
                 else:
                     waiting[url] = problem
             if not waiting:
@@ -118,13 +113,18 @@ class VLLMServers:
             time.sleep(pause)
 
     def _health_problem(self, url: str, deadline: float) -> str | None:
-        """None when ``url`` answers ``GET /health`` with 200, else what it did."""
+        """None when ``url`` answers ``GET /health`` with 200, else what it did; VLLMServerError on a 404."""
         timeout = max(min(deadline - time.monotonic(), 5.0), 0.1)
         request = urllib.request.Request(f"{url}/health", headers=bearer(self.api_key))
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return None if response.status == 200 else f"HTTP {response.status}"
         except urllib.error.HTTPError as error:
+            if error.code == 404:  # final: no waiting makes a missing route appear
+                raise VLLMServerError(
+                    f"{url} answered GET /health with HTTP 404: it is not the root of a vLLM OpenAI-compatible "
+                    f"server. Set {self.where}.base_url to the server's root, e.g. http://127.0.0.1:8000 (no /v1)."
+                ) from error
             return f"HTTP {error.code}"
         except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
             return _connection_problem(error)

@@ -158,7 +158,7 @@ class Learner:
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
         mask, mask_metrics = self.objective.step_mask(mask, adv, **inputs)  # before any normaliser is taken
         adv = self.objective.weigh(adv, mask, **inputs)
-        batch = StepBatch(rollout, adv, mask, inputs, rollout.completion_mask.sum(-1).tolist())
+        batch = StepBatch(rollout, adv, mask, inputs, rollout.lengths.tolist())
         zero = torch.zeros((), device=backend.device)
         measured: list[tuple[float, Metrics]] = []  # (weight, a micro-batch's metrics)
         losses, norms, skipped = [], [], 0
