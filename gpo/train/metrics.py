@@ -76,19 +76,19 @@ def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress
 
     Every step: ``trainer.callback_metrics`` (what callbacks read) and the progress bar's ``progress`` keys are
     updated with the tensors themselves (no host sync). With ``log``: all values are copied to the host at once and
-    written to every logger at ``step`` = the training batch's index, the step Lightning gives the metrics callbacks
-    log at the same batch."""
+    handed to every logger at ``step`` = the training batch's index, the step Lightning gives the metrics callbacks
+    log at the same batch. The loggers write them to disk when they save (gpo's: every few seconds, at each
+    checkpoint and at the end; ``gpo.train.loggers``), not here."""
     trainer.callback_metrics.update(metrics)
     trainer.progress_bar_metrics.update({key: metrics[key] for key in progress if key in metrics})
     if not log or not trainer.loggers:
         return
     keys = list(metrics)
-    values = torch.stack([metrics[key].detach().float() for key in keys]).tolist()  # one device-to-host copy
+    values = torch.stack([metrics[key] for key in keys]).tolist()  # one device-to-host copy (dtypes promoted)
     row = dict(zip(keys, values, strict=True))
     step = max(trainer.fit_loop.epoch_loop.total_batch_idx, 0)  # -1 before the first batch (at train start)
     for logger in trainer.loggers:
         logger.log_metrics(row, step=step)
-        logger.save()
 
 
 def publish_step(

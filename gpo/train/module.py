@@ -175,6 +175,8 @@ class GPOModule(RolloutSource, LightningModule):
     # ---- resume: what a checkpoint needs beyond weights, optimiser, scheduler and loop counters ---------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        for logger in self.trainer.loggers:  # every row logged so far is on disk: a resumed run loses none
+            logger.save()
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
         state = run_state(drawn, self.learner.nonfinite.streak, self.feed.state())  # waits for what is in flight
         checkpoint["gpo"] = state | {"run": describe_run(self), "objective": self.learner.objective.state_dict()}

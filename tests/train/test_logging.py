@@ -2,11 +2,16 @@
 the callbacks and the progress bar every batch, and logging never changes the run."""
 
 import csv
+import struct
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from tensorboardX.proto import event_pb2
 
+from gpo.train import loggers
+from gpo.train.loggers import default_loggers
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 STEPS = 7
@@ -56,3 +61,33 @@ def test_logging_never_changes_the_run(tiny_assets, tmp_path):
     logged, _ = fit(tiny_assets, tmp_path, logger=CSVLogger(tmp_path / "logged"), log_every_n_steps=1)
     for (name, a), b in zip(quiet.policy.named_parameters(), logged.policy.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def tensorboard_events(folder) -> list[event_pb2.Event]:
+    """The events of the one TensorBoard file under ``folder`` (TFRecord: length, its CRC, the event, its CRC)."""
+    (path,) = folder.rglob("events.out.tfevents.*")
+    data, events, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + length]))
+        at += 12 + length + 4
+    return events
+
+
+def test_tensorboard_gets_one_event_per_logged_batch_with_every_scalar(tmp_path):
+    (_, tensorboard) = default_loggers(str(tmp_path))
+    tensorboard.log_metrics({"loss": 0.5, "reward/mean": torch.tensor(0.25), "epoch": 1}, step=3)
+    tensorboard.log_metrics({"loss": 0.125}, step=4)
+    tensorboard.finalize("success")
+    scalars = [(e.step, {v.tag: v.simple_value for v in e.summary.value}) for e in tensorboard_events(tmp_path)]
+    assert [s for s in scalars if s[1]] == [(3, {"loss": 0.5, "reward/mean": 0.25, "epoch": 1.0}), (4, {"loss": 0.125})]
+
+
+def test_csv_rows_reach_the_disk_within_save_every_s_not_at_every_log(tmp_path, monkeypatch):
+    (csv_logger, _) = default_loggers(str(tmp_path))
+    path = Path(csv_logger.log_dir) / "metrics.csv"
+    csv_logger.log_metrics({"loss": 1.0}, step=0)
+    assert not path.exists()  # held until SAVE_EVERY_S has passed since the last write
+    monkeypatch.setattr(loggers, "SAVE_EVERY_S", 0.0)
+    csv_logger.log_metrics({"loss": 2.0}, step=1)
+    assert [row["loss"] for row in csv.DictReader(path.open())] == ["1.0", "2.0"]
