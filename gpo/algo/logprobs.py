@@ -13,6 +13,7 @@ Gradients (with ``z`` the logits divided by the temperature, ``p = softmax(z)``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -64,19 +65,31 @@ def _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy) -> Tensor:
     )  # fmt: skip
 
 
+def _chunks(n: int, chunk: int) -> list[slice]:
+    return [slice(start, start + chunk) for start in range(0, n, chunk)]
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The chunks' results as one tensor along rows (the only chunk itself: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _forward_rows(
+    n: int, chunk: int, scaled_logits: Callable[[slice], Tensor], index: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``_forward_chunk`` over the rows ``0..n`` a chunk at a time: ``logp``, ``lse`` and ``entropy`` (empty when not
+    asked), each joined over the chunks."""
+    parts = [_forward_chunk(scaled_logits(rows), index[rows], with_entropy) for rows in _chunks(n, chunk)]
+    logp, lse = _joined([part[0] for part in parts]), _joined([part[1] for part in parts])
+    entropy = _joined([part[2] for part in parts]) if with_entropy else lse.new_empty(0)
+    return logp, lse, entropy
+
+
 class _LogitsLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, index: Tensor, temperature: float, chunk: int, with_entropy: bool):
-        n = logits.shape[0]
-        logp = logits.new_empty(index.shape, dtype=torch.float32)
-        lse = logits.new_empty(n, dtype=torch.float32)
-        entropy = logits.new_empty(n if with_entropy else 0, dtype=torch.float32)
-        for start in range(0, n, chunk):
-            rows = slice(start, start + chunk)
-            z = logits[rows].float() / temperature
-            logp[rows], lse[rows], ent = _forward_chunk(z, index[rows], with_entropy)
-            if with_entropy:
-                entropy[rows] = ent
+        scaled = lambda rows: logits[rows].float() / temperature  # noqa: E731
+        logp, lse, entropy = _forward_rows(logits.shape[0], chunk, scaled, index, with_entropy)
         ctx.save_for_backward(logits, index, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.mark_non_differentiable(index)
@@ -87,29 +100,20 @@ class _LogitsLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
         logits, index, lse, entropy = ctx.saved_tensors
         g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
-        grad = torch.empty_like(logits)
-        use_entropy = ctx.with_entropy and g_entropy is not None
-        for start in range(0, logits.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
+        g_entropy = g_entropy if ctx.with_entropy else None
+        grads = []
+        for rows in _chunks(logits.shape[0], ctx.chunk):
             z = logits[rows].float() / ctx.temperature
-            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
-            grad[rows] = g_z.div_(ctx.temperature).to(grad.dtype)
-        return grad, None, None, None, None
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy)
+            grads.append(g_z.div_(ctx.temperature).to(logits.dtype))
+        return _joined(grads), None, None, None, None
 
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, temperature: float, chunk: int, with_entropy: bool):
-        n = hidden.shape[0]
-        logp = hidden.new_empty(index.shape, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
-        for start in range(0, n, chunk):
-            rows = slice(start, start + chunk)
-            z = _linear_chunk(hidden[rows], weight, bias, temperature)
-            logp[rows], lse[rows], ent = _forward_chunk(z, index[rows], with_entropy)
-            if with_entropy:
-                entropy[rows] = ent
+        scaled = lambda rows: _linear_chunk(hidden[rows], weight, bias, temperature)  # noqa: E731
+        logp, lse, entropy = _forward_rows(hidden.shape[0], chunk, scaled, index, with_entropy)
         ctx.save_for_backward(hidden, weight, bias, index, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.mark_non_differentiable(index)
@@ -120,25 +124,25 @@ class _LinearLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
         hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
         g_logp = torch.zeros(index.shape, device=lse.device) if g_logp is None else g_logp
+        g_entropy = g_entropy if ctx.with_entropy else None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_hidden = []
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        use_entropy = ctx.with_entropy and g_entropy is not None
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
+        for rows in _chunks(hidden.shape[0], ctx.chunk):
             h = hidden[rows]
             z = _linear_chunk(h, weight, bias, ctx.temperature)
-            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy if use_entropy else None)
+            g_z = _grad_rows(z, rows, index, lse, entropy, g_logp, g_entropy)
             g_z = g_z if ctx.temperature == 1.0 else g_z.div_(ctx.temperature)  # [C, V] float32
             if need_hidden:
-                grad_hidden[rows] = g_z.to(weight.dtype) @ weight
+                grad_hidden.append(g_z.to(weight.dtype) @ weight)
             if need_weight:
                 grad_weight.addmm_(g_z.t(), h.float())  # accumulate in place: no weight-sized temporary
             if need_bias:
                 grad_bias += g_z.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        grad_hidden = _joined(grad_hidden).to(hidden.dtype) if need_hidden else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
