@@ -29,12 +29,13 @@ Measured per step:
 The bare work runs on a fresh copy of the initial model, outside gpo and Lightning, right after each gpo step
 (outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the
 step's prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed,
-plus one ``model(input_ids, attention_mask).logits -> log_softmax -> gather -> loss -> backward -> clip the gradient
-norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's settings ask
-for. Its warm-up is gpo's warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written
-(sampling settings as keyword arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config
-built once, the CPU generator seeded directly); the overhead, gpo step time / (bare generate + bare train), is
-reported against each over its own steps.
+plus one ``model(input_ids, attention_mask, position_ids).logits -> log_softmax -> gather -> loss -> backward -> clip
+the gradient norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's
+settings ask for (the positions are those ``generate`` sampled at, which skip left padding). Its warm-up is gpo's
+warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
+arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the CPU generator
+seeded directly); the overhead, gpo step time / (bare generate + bare train), is reported against each over its own
+steps.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -110,10 +111,19 @@ class Step:
     prompt_mask: Tensor  # [B, P]
     completion_ids: Tensor  # [B, T]
     completion_mask: Tensor  # [B, T]
+    prompts: list[str]  # [B]
+    answers: list[str]  # [B]
     bare_generate_s: float = float("nan")
     bare_lean: bool = False  # the bare generate call was made as gpo makes it (BareWork.generate_lean)
-    bare_train_s: float = float("nan")
+    bare_forward_s: float = float("nan")  # forward + loss
+    bare_backward_s: float = float("nan")
+    bare_optimiser_s: float = float("nan")  # clip + AdamW step + zero_grad
+    bare_scoring_s: float = float("nan")  # decode + reward + group advantages
     bare_width: int = 0
+
+    @property
+    def bare_train_s(self) -> float:
+        return self.bare_forward_s + self.bare_backward_s + self.bare_optimiser_s
 
     @property
     def generated_tokens(self) -> int:
@@ -139,6 +149,7 @@ class BareWork:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.group_size = args.group_size
         self.sampling = {
             "max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
             "eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": self.tokenizer.pad_token_id,
@@ -165,22 +176,41 @@ class BareWork:
         out = self.model.generate(input_ids=step.prompt_ids, attention_mask=step.prompt_mask, **settings)
         return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
 
-    def train(self, step: Step) -> float:
-        """Forward, log-softmax, gather, a policy-gradient loss, backward, gradient clipping at gpo's
-        ``max_grad_norm`` (1.0) and an AdamW step on gpo's tensors, in train mode."""
-        ids, mask, width = step.train_inputs
-        targets, weights = ids[:, -width:], mask[:, -width:].float()
-        advantages = torch.randn(ids.shape[0], 1)
+    def score(self, step: Step) -> tuple[float, Tensor]:
+        """What any GRPO step does between sampling and training: decode the completions (gpo's tokens), score them
+        with the same reward function, and normalise the rewards within each group of ``--group-size`` rows (GRPO's
+        population standard deviation; a group without spread gets 0). Seconds, advantages ``[B, 1]``."""
         started = time.perf_counter()
+        pad = self.tokenizer.pad_token_id
+        ids = step.completion_ids.masked_fill(step.completion_mask == 0, pad)
+        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        rewards = torch.tensor(positional_match(step.prompts, completions, answer=step.answers))
+        rewards = rewards.view(-1, self.group_size)  # [prompts, group]
+        std = rewards.std(-1, unbiased=False, keepdim=True)
+        advantages = torch.where(std > 1e-6, (rewards - rewards.mean(-1, keepdim=True)) / std.clamp_min(1e-6), 0.0)
+        return time.perf_counter() - started, advantages.view(-1, 1)
+
+    def train(self, step: Step, advantages: Tensor) -> tuple[float, float, float]:
+        """Forward (at the positions ``generate`` sampled at, as any trainer must pass with left-padded prompts),
+        log-softmax, gather, GRPO's policy-gradient loss (sequence means of the tokens, averaged), backward, gradient
+        clipping at gpo's ``max_grad_norm`` (1.0) and an AdamW step on gpo's tensors, in train mode. Seconds of
+        forward + loss, backward and optimiser."""
+        started = time.perf_counter()
+        ids, mask, width = step.train_inputs  # built in the timed forward, as gpo builds its own
+        targets, weights = ids[:, -width:], mask[:, -width:].float()
         self.model.train()
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1]
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # generate's positions: left padding skipped
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -width - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
         loss = -((logp * advantages * weights).sum(-1) / weights.sum(-1).clamp_min(1)).mean()
+        forward_end = time.perf_counter()
         loss.backward()
+        backward_end = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+        end = time.perf_counter()
+        return forward_end - started, backward_end - forward_end, end - backward_end
 
 
 class StepRecorder(RolloutCallback):
@@ -254,12 +284,15 @@ class StepRecorder(RolloutCallback):
             prompt_mask=r.prompt_mask.clone(),
             completion_ids=r.completion_ids.clone(),
             completion_mask=r.completion_mask.clone(),
+            prompts=list(r.prompts),
+            answers=list(r.fields["answer"]),
         )
         if self.bare is not None:
             step.bare_lean = bool(batch_idx % 2)  # the two forms of the bare generate call take turns
             generate = self.bare.generate_lean if step.bare_lean else self.bare.generate
             step.bare_generate_s, step.bare_width = generate(step, self.seed + batch_idx)
-            step.bare_train_s = self.bare.train(step)
+            step.bare_scoring_s, advantages = self.bare.score(step)
+            step.bare_forward_s, step.bare_backward_s, step.bare_optimiser_s = self.bare.train(step, advantages)
         self.steps.append(step)
         if self.profiler is not None and trainer.global_step >= trainer.max_steps:
             self.profiler.disable()  # the last measured step is done (global_step counts optimiser steps)
@@ -332,7 +365,7 @@ def report(steps: list[Step]) -> None:
         ("- of which the sampler log-prob pass", [s.sampler_logp_s for s in steps], None),
         ("- of which the rest (padding, decoding)", [s.rollout_s - s.generate_s - s.sampler_logp_s for s in steps],
          None),
-        ("scoring", [s.scoring_s for s in steps], None),
+        ("scoring", [s.scoring_s for s in steps], lambda s: s.bare_scoring_s),
         ("training", [s.training_s for s in steps], lambda s: s.bare_train_s),
         ("outside training_step (loop, data)", [s.wall_s - s.rollout_s - s.scoring_s - s.training_s for s in steps],
          None),
@@ -347,30 +380,42 @@ def report(steps: list[Step]) -> None:
     for name, ours, theirs in rows:
         bare = [mean_sd([theirs(s) * 1e3 for s in chosen]) if theirs else "-" for chosen in forms.values()]
         print(f"| {name} | {mean_sd([v * 1e3 for v in ours])} | {bare[0]} | {bare[1]} |")
-    print("\n## Where a gpo step goes (mean ± sd, ms)\n")
-    print("| part | ms/step | share of the step |")
-    print("| --- | ---: | ---: |")
+    print("\n## Where a step goes (mean ± sd, ms)\n")
+    print("The bare column times the same parts of the bare work (`generate` as gpo calls it, its mode switches")
+    print("included, which gpo counts in its bookkeeping; against the bookkeeping, the bare decoding, reward and group")
+    print("advantages).\n")
+    print("| part | gpo | share of gpo's step | bare |")
+    print("| --- | ---: | ---: | ---: |")
     counted = ("generate_s", "sampler_logp_s", "forward_s", "backward_s", "optimiser_s", "logging_s")
+    lean = forms["as gpo calls it"]
     parts = [
-        ("generate", [s.generate_s for s in steps]),
-        ("sampler log-prob pass", [s.sampler_logp_s for s in steps]),
-        ("forward + loss", [s.forward_s for s in steps]),
-        ("backward", [s.backward_s for s in steps]),
-        ("optimiser (clip + AdamW step)", [s.optimiser_s for s in steps]),
-        ("logging (step metrics computed and handed on)", [s.logging_s for s in steps]),
-        ("gpo bookkeeping (rest of training_step)", [s.inside_s - sum(getattr(s, k) for k in counted) for s in steps]),
-        ("Lightning loop (outside training_step)", [s.wall_s - s.inside_s for s in steps]),
-    ]
-    for name, values in parts:
+        ("generate", [s.generate_s for s in steps], [s.bare_generate_s for s in lean]),
+        ("sampler log-prob pass", [s.sampler_logp_s for s in steps], None),
+        ("forward + loss", [s.forward_s for s in steps], [s.bare_forward_s for s in steps]),
+        ("backward", [s.backward_s for s in steps], [s.bare_backward_s for s in steps]),
+        ("optimiser (clip + AdamW step)", [s.optimiser_s for s in steps], [s.bare_optimiser_s for s in steps]),
+        ("logging (step metrics computed and handed on)", [s.logging_s for s in steps], None),
+        ("gpo bookkeeping (rest of training_step)", [s.inside_s - sum(getattr(s, k) for k in counted) for s in steps],
+         [s.bare_scoring_s for s in steps]),
+        ("Lightning loop (outside training_step)", [s.wall_s - s.inside_s for s in steps], None),
+    ]  # fmt: skip
+    for name, values, bare in parts:
         millis = [v * 1e3 for v in values]
-        print(f"| {name} | {mean_sd(millis)} | {mean(values) / mean(wall):.1%} |")
-    for form, chosen in forms.items():
-        ours, bare = [s.wall_s for s in chosen], [s.bare_generate_s + s.bare_train_s for s in chosen]
+        theirs = mean_sd([v * 1e3 for v in bare]) if bare else "-"
+        print(f"| {name} | {mean_sd(millis)} | {mean(values) / mean(wall):.1%} | {theirs} |")
+    print("\n## Overhead: gpo step / bare step, over the steps of each form\n")
+    print("| bare step | gpo / bare (means) | median of the per-step ratios |")
+    print("| --- | ---: | ---: |")
+    bare_steps = [
+        ("`generate` hand-written + train", forms["hand-written"], lambda s: s.bare_generate_s + s.bare_train_s),
+        ("`generate` as gpo calls it + train", lean, lambda s: s.bare_generate_s + s.bare_train_s),
+        ("`generate` as gpo calls it + decoding, reward, group advantages + train", lean,
+         lambda s: s.bare_generate_s + s.bare_scoring_s + s.bare_train_s),
+    ]  # fmt: skip
+    for name, chosen, bare_s in bare_steps:
+        ours, bare = [s.wall_s for s in chosen], [bare_s(s) for s in chosen]
         per_step = statistics.median(w / b for w, b in zip(ours, bare, strict=True))
-        print(
-            f"\n**Overhead against the bare work with `generate` {form}: {mean(ours) / mean(bare):.2f}x** (gpo step /"
-        )
-        print(f"(bare generate + bare train), means over those steps; median of the per-step ratios {per_step:.2f}x)")
+        print(f"| {name} | **{mean(ours) / mean(bare):.2f}x** | {per_step:.2f}x |")
 
     gen_tokens, train_tokens = sum(s.generated_tokens for s in steps), sum(s.train_tokens for s in steps)
     rollout_s, training_s = sum(s.rollout_s for s in steps), sum(s.training_s for s in steps)
