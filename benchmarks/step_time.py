@@ -35,7 +35,9 @@ settings ask for (the positions are those ``generate`` sampled at, which skip le
 warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
 arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the CPU generator
 seeded directly); the overhead, gpo step time / (bare generate + bare train), is reported against each over its own
-steps.
+steps. Between the two, the bare work also decodes gpo's completions, scores them with ``positional_match`` and
+normalises the rewards within each group, whose advantages its loss uses: the overhead against that complete bare
+GRPO step (``generate`` as gpo calls it) is reported too.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
