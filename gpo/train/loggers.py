@@ -1,8 +1,9 @@
 """The loggers ``gpo fit`` writes to: CSV and TensorBoard in one version folder, continued (never erased) on resume.
 
-Logged rows reach the disk at most ``SAVE_EVERY_S`` seconds after they are logged, at each checkpoint
-(``GPOModule.on_save_checkpoint`` saves every logger, so a run killed and resumed loses no row) and at the end, but
-not on every logged step: writing costs about 0.7 ms each time.
+Logged rows are written to disk at most every ``SAVE_EVERY_S`` seconds (the CSV rows with the first row logged that
+long after the last write, TensorBoard's by its writer thread), at each checkpoint (``GPOModule.on_save_checkpoint``
+saves every logger, so a run killed and resumed loses no row) and at the end, but not at every logged step: writing
+costs about 0.7 ms each time.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class ContinuedWriter(ExperimentWriter):
 
 class ContinuedCSVLogger(CSVLogger):
     """``CSVLogger`` whose version folder, when it already holds a ``metrics.csv``, is continued (see
-    ``ContinuedWriter``): a resumed run keeps every metric it logged before. Rows are written at most
-    ``SAVE_EVERY_S`` after they are logged (besides Lightning's every ``flush_logs_every_n_steps`` steps)."""
+    ``ContinuedWriter``): a resumed run keeps every metric it logged before. The rows are written with the first row
+    logged ``SAVE_EVERY_S`` or more after the last write (and, as Lightning's, every ``flush_logs_every_n_steps``
+    steps)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
