@@ -44,6 +44,7 @@ Run from the repository root (1 torch thread by default; keep the other cores id
     python benchmarks/step_time.py --preset quickstart --steps 200
     python benchmarks/step_time.py --preset long
     python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
+    python benchmarks/step_time.py --preset quickstart --stand-ins advantages scoring logging  # bare stand-ins
 
 See ``--help`` for the sizes, steps and threads.
 """
@@ -84,6 +85,7 @@ import gpo.train.module
 from gpo.cli import default_loggers
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine, Sampling
+from gpo.rollout.base import Rollout
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
@@ -92,6 +94,7 @@ from gpo.train.module import GPOModule
 from gpo.train.optimization import Optimization
 
 PROFILED = ("generate", "sampler_logp", "forward", "backward", "optimiser", "logging", "inside")
+STAND_INS = ("advantages", "scoring", "logging")
 
 
 @dataclass
@@ -222,8 +225,11 @@ class StepRecorder(RolloutCallback):
     warm-up run under cProfile instead (and no bare work is done).
     """
 
-    def __init__(self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool) -> None:
+    def __init__(
+        self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool, stand_ins: list[str]
+    ) -> None:
         self.steps: list[Step] = []
+        self.stand_ins = stand_ins
         self.bare, self.warmup, self.seed = bare, warmup, seed
         self.profiler = cProfile.Profile() if profile else None
         self.last_end: float | None = None
@@ -244,6 +250,7 @@ class StepRecorder(RolloutCallback):
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
+        put_stand_ins(pl_module, self.stand_ins)
         # Each wrapped at the place gpo looks it up, so gpo's code runs unchanged inside the timers.
         scorer = self.engine.scorer  # the engine's own, built at setup: it scores only the sampler's log-probs
         scorer.policy_logp = self._timed(scorer.policy_logp, "sampler_logp")
@@ -301,6 +308,41 @@ class StepRecorder(RolloutCallback):
         self.last_end = time.perf_counter()  # the bookkeeping above is ours, not gpo's: start the next step here
 
 
+def put_stand_ins(module: GPOModule, parts: list[str]) -> None:
+    """Replace ``parts`` of gpo's step by bare stand-ins, to bound what trimming them could save: ``advantages``,
+    GRPO's group normalisation as a reshape (the rows come in groups, in order); ``scoring``, the reward function
+    called directly (no runner: no checks, no error policy); ``logging``, no step metrics, only the step-time split
+    this benchmark reads."""
+    group_size = module.collector.group_size
+    if "advantages" in parts:
+
+        def credit(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+            rewards = rollout.reward.view(-1, group_size)
+            std = rewards.std(-1, unbiased=False, keepdim=True)
+            normalised = (rewards - rewards.mean(-1, keepdim=True)) / std.clamp_min(1e-6)
+            adv = torch.where(std > 1e-6, normalised, 0.0).view(-1, 1) * mask  # [B, T]
+            step = {"reward": rollout.reward, "group": rollout.group, "mask": mask, "lengths": rollout.lengths,
+                    "truncated": rollout.truncated.float(), "scores": rollout.scores}  # fmt: skip
+            return step, adv, adv
+
+        module.credit = credit
+    if "scoring" in parts:
+
+        def score(rollout: Rollout, errors: object) -> Rollout:
+            rollout.reward = torch.tensor(positional_match(rollout.prompts, rollout.completions, **rollout.fields))
+            rollout.scores = rollout.reward[:, None]
+            return rollout
+
+        module.collector.score = score
+    if "logging" in parts:
+
+        def publish_step(trainer, collector, rollout, step, step_adv, metrics, *, scoring_s, training_s) -> None:
+            seconds = {"rollout_s": collector.stats.rollout_s, "scoring_s": scoring_s, "training_s": training_s}
+            trainer.callback_metrics.update({f"time/{key}": torch.tensor(value) for key, value in seconds.items()})
+
+        gpo.train.module.publish_step = publish_step
+
+
 def make_workspace(root: Path, args: argparse.Namespace) -> tuple[str, str]:
     model = save_tiny_model(root / "model", "llama", seed=0, hidden_size=args.hidden_size, num_layers=args.num_layers)
     data = write_jsonl(make_task("sort_digits", 4096, seed=0), root / "train.jsonl")
@@ -323,7 +365,7 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
     )
     profile = args.profile is not None
     bare = None if profile else BareWork(model_path, args)
-    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile)
+    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile, args.stand_ins)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -446,6 +488,11 @@ def parse_args() -> argparse.Namespace:
     )
     add_preset_argument(parser)
     parser.add_argument("--loggers", choices=["default", "none"], default="default", help="CSV + TensorBoard, or none")
+    parser.add_argument(
+        "--stand-ins", nargs="*", choices=STAND_INS, default=[], metavar="PART",
+        help=f"replace these parts of gpo's step by bare stand-ins ({', '.join(STAND_INS)}): how much could trimming "
+        "them save?",
+    )  # fmt: skip
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="(default: %(default)s, the quickstart's)")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
@@ -476,6 +523,8 @@ def main() -> None:
         f"{args.warmup} warm-up + {args.steps} measured steps; loggers: {args.loggers} (every "
         f"{args.log_every_n_steps} steps)"
     )
+    if args.stand_ins:
+        print(f"- gpo's parts replaced by bare stand-ins: {', '.join(args.stand_ins)}")
     print(f"- load average (1 min) before the run: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         model_path, data_path = make_workspace(Path(tmp), args)
