@@ -34,10 +34,10 @@ the gradient norm at 1.0 -> AdamW step`` in train mode on the exact token tensor
 settings ask for (the positions are those ``generate`` sampled at, which skip left padding). Its warm-up is gpo's
 warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
 arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the CPU generator
-seeded directly); the overhead, gpo step time / (bare generate + bare train), is reported against each over its own
-steps. Between the two, the bare work also decodes gpo's completions, scores them with ``positional_match`` and
-normalises the rewards within each group, whose advantages its loss uses: the overhead against that complete bare
-GRPO step (``generate`` as gpo calls it) is reported too.
+seeded directly, in inference mode); the overhead, gpo step time / (bare generate + bare train), is reported against
+each over its own steps. Between the two, the bare work also decodes gpo's completions, scores them with
+``positional_match`` and normalises the rewards within each group, whose advantages its loss uses: the overhead
+against that complete bare GRPO step (``generate`` as gpo calls it) is reported too.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -169,10 +169,11 @@ class BareWork:
         return self._generate(step, lambda: torch.manual_seed(seed), **self.sampling)
 
     def generate_lean(self, step: Step, seed: int) -> tuple[float, int]:
-        """The same call as gpo's engine makes it: a generation config built once, and the CPU generator seeded
-        directly (``torch.manual_seed`` also queues the seeding of devices that are not in use)."""
+        """The same call as gpo's engine makes it: a generation config built once, the CPU generator seeded directly
+        (``torch.manual_seed`` also queues the seeding of devices that are not in use), in inference mode."""
         seeding = lambda: torch.random.default_generator.manual_seed(seed)  # noqa: E731
-        return self._generate(step, seeding, generation_config=self.generation_config)
+        with torch.inference_mode():
+            return self._generate(step, seeding, generation_config=self.generation_config)
 
     def _generate(self, step: Step, seeding: Callable[[], object], **settings: Any) -> tuple[float, int]:
         started = time.perf_counter()
@@ -418,7 +419,7 @@ def report(steps: list[Step]) -> None:
     print("\n## Time per step (ms, mean ± sd over the measured steps)\n")
     print("The bare work calls `generate` in two forms, on alternate steps: hand-written (sampling settings as keyword")
     print("arguments, `torch.manual_seed`) and as gpo's engine calls it (a generation config built once, the CPU")
-    print("generator seeded directly).\n")
+    print("generator seeded directly, in inference mode).\n")
     print("| phase | gpo | bare, `generate` hand-written | bare, `generate` as gpo calls it |")
     print("| --- | ---: | ---: | ---: |")
     for name, ours, theirs in rows:
