@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import torch
@@ -112,6 +113,15 @@ def reshard(model: nn.Module) -> None:
 
     if isinstance(model, FSDPModule):
         model.reshard()
+
+
+def sampling_mode(model: nn.Module) -> AbstractContextManager:
+    """How to run ``model`` without gradients: in inference mode (no version counters, no view tracking: about 6% of a
+    small model's sampling time), but for an FSDP2 module under ``no_grad``: its gathered parameters keep version
+    counters, which inference mode does not allow."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
 
 
 def check_strategy(strategy: Strategy) -> None:

@@ -11,6 +11,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from gpo.models.loading import training_mode
 from gpo.models.scorer import TokenScorer
+from gpo.parallel.fsdp import sampling_mode
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
 
@@ -88,9 +89,9 @@ class HFEngine(RolloutEngine):
         group = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # [B]
         step = self.batch_size or ids.shape[0]
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else None
-        # Inference mode skips autograd's version counters and view tracking: about 6% of a small model's sampling
-        # time. Its tensors may not be saved for backward, so none leaves this function: masked_fill copies them.
-        with rng or contextlib.nullcontext(), training_mode(self.policy, False), torch.inference_mode():
+        # Inference mode (but under FSDP2) has tensors that may not be saved for backward: none leaves this function,
+        # masked_fill below copies them.
+        with rng or contextlib.nullcontext(), training_mode(self.policy, False), sampling_mode(self.policy):
             if seed is not None:
                 seed_generator(seed, device)
             config = self._generation_config(sampling, greedy)

@@ -14,6 +14,11 @@ from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
+# What an in-process run in this pytest process (a single-process FSDP config, say) leaves in os.environ: inherited,
+# they would make the subprocess believe an outside launcher started it (and wait for a second rank for ever), or
+# reuse a port the first run still holds.
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                      "LOCAL_WORLD_SIZE")  # fmt: skip
 
 # 20 prompts, 4 per step over 2 processes (2 each): 5 batches per epoch; 2 minibatches per batch, so 12 optimiser
 # steps are 6 batches and cross an epoch boundary. DynamicSampling draws extra prompt batches from each rank's
@@ -64,11 +69,8 @@ def config(tmp_path_factory, request) -> Path:
 
 def fit(config: Path, root: Path, *extra: str) -> dict:
     """``gpo fit`` in a subprocess (Lightning starts the second rank); returns the last checkpoint."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [
         sys.executable,
         "-m",
