@@ -136,3 +136,18 @@ def test_concat_rollouts_repads_and_keeps_groups_apart(policy_and_tokenizer):
             assert both.completion_ids[row][both.completion_mask[row].bool()].tolist() == (
                 part.completion_ids[i][part.completion_mask[i].bool()].tolist()
             )
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_sampling_in_inference_mode_hands_back_tensors_a_gradient_pass_may_save(policy_and_tokenizer, batch_size):
+    model, tok = policy_and_tokenizer
+    prompts = [tok("sort 312:").input_ids, tok("ab").input_ids]
+    rollout = engine(policy_and_tokenizer, batch_size=batch_size, max_new_tokens=4).generate(prompts, n=2, seed=0)
+    tensors = {name: value for name, value in vars(rollout).items() if isinstance(value, torch.Tensor)}
+    assert {"completion_ids", "completion_mask", "truncated", "logp"} <= set(tensors)
+    assert not [name for name, value in tensors.items() if value.is_inference()]
+    width = rollout.completion_ids.shape[1]
+    logp = score_tokens(model, rollout.input_ids, rollout.attention_mask, width).logp  # embeds the sampled tokens
+    (logp * rollout.completion_mask).sum().backward()  # would raise on an inference tensor saved for backward
+    assert model.get_input_embeddings().weight.grad is not None
+    model.zero_grad(set_to_none=True)
