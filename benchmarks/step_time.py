@@ -191,10 +191,7 @@ class BareWork:
         ids = step.completion_ids.masked_fill(step.completion_mask == 0, pad)
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         rewards = torch.tensor(positional_match(step.prompts, completions, answer=step.answers))
-        rewards = rewards.view(-1, self.group_size)  # [prompts, group]
-        std = rewards.std(-1, unbiased=False, keepdim=True)
-        advantages = torch.where(std > 1e-6, (rewards - rewards.mean(-1, keepdim=True)) / std.clamp_min(1e-6), 0.0)
-        return time.perf_counter() - started, advantages.view(-1, 1)
+        return time.perf_counter() - started, group_advantages(rewards, self.group_size)
 
     def train(self, step: Step, advantages: Tensor) -> tuple[float, float, float]:
         """Forward (at the positions ``generate`` sampled at, as any trainer must pass with left-padded prompts),
@@ -217,6 +214,15 @@ class BareWork:
         self.optimizer.zero_grad(set_to_none=True)
         end = time.perf_counter()
         return forward_end - started, backward_end - forward_end, end - backward_end
+
+
+def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """GRPO's advantages of ``rewards[B]``, whose rows come in groups of ``group_size`` in order, as a reshape:
+    ``(r - mean) / std`` within each group (population std; a group without spread gets 0). ``[B, 1]``."""
+    grouped = rewards.view(-1, group_size)  # [prompts, group]
+    std = grouped.std(-1, unbiased=False, keepdim=True)
+    normalised = (grouped - grouped.mean(-1, keepdim=True)) / std.clamp_min(1e-6)
+    return torch.where(std > 1e-6, normalised, 0.0).view(-1, 1)
 
 
 class StepRecorder(RolloutCallback):
@@ -318,10 +324,7 @@ def put_stand_ins(module: GPOModule, parts: list[str]) -> None:
     if "advantages" in parts:
 
         def credit(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-            rewards = rollout.reward.view(-1, group_size)
-            std = rewards.std(-1, unbiased=False, keepdim=True)
-            normalised = (rewards - rewards.mean(-1, keepdim=True)) / std.clamp_min(1e-6)
-            adv = torch.where(std > 1e-6, normalised, 0.0).view(-1, 1) * mask  # [B, T]
+            adv = group_advantages(rollout.reward, group_size) * mask  # [B, T]
             step = {"reward": rollout.reward, "group": rollout.group, "mask": mask, "lengths": rollout.lengths,
                     "truncated": rollout.truncated.float(), "scores": rollout.scores}  # fmt: skip
             return step, adv, adv

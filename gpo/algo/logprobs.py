@@ -248,8 +248,7 @@ def linear_topk_logprobs(
     chunk = _rows_per_chunk(weight.shape[0], chunk_size)
     logp = flat.new_empty((flat.shape[0], k), dtype=torch.float32)
     ids = torch.empty((flat.shape[0], k), dtype=torch.long, device=flat.device)
-    for start in range(0, flat.shape[0], chunk):
-        rows = slice(start, start + chunk)
+    for rows in _chunks(flat.shape[0], chunk):
         z = _linear_chunk(flat[rows], weight, bias, temperature)  # [C, V]
         top = z.topk(k, dim=-1)
         logp[rows], ids[rows] = top.values - torch.logsumexp(z, dim=-1, keepdim=True), top.indices

@@ -21,7 +21,7 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
-    return ids.reshape(len(sequences), width), mask.reshape(len(sequences), width)
+    return ids, mask
 
 
 def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
@@ -89,8 +89,8 @@ class HFEngine(RolloutEngine):
         group = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # [B]
         step = self.batch_size or ids.shape[0]
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else None
-        # Inference mode (but under FSDP2) has tensors that may not be saved for backward: none leaves this function,
-        # masked_fill below copies them.
+        # Sampled in inference mode (no_grad under FSDP2), whose tensors may not be saved for backward: none leaves
+        # this function, masked_fill below copies them.
         with rng or contextlib.nullcontext(), training_mode(self.policy, False), sampling_mode(self.policy):
             if seed is not None:
                 seed_generator(seed, device)

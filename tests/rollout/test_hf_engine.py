@@ -146,8 +146,7 @@ def test_sampling_in_inference_mode_hands_back_tensors_a_gradient_pass_may_save(
     tensors = {name: value for name, value in vars(rollout).items() if isinstance(value, torch.Tensor)}
     assert {"completion_ids", "completion_mask", "truncated", "logp"} <= set(tensors)
     assert not [name for name, value in tensors.items() if value.is_inference()]
-    width = rollout.completion_ids.shape[1]
-    logp = score_tokens(model, rollout.input_ids, rollout.attention_mask, width).logp  # embeds the sampled tokens
-    (logp * rollout.completion_mask).sum().backward()  # would raise on an inference tensor saved for backward
+    embedded = model.get_input_embeddings()(rollout.completion_ids)  # saves the token ids for its backward
+    (embedded * rollout.completion_mask[..., None]).sum().backward()  # raises if they are inference tensors
     assert model.get_input_embeddings().weight.grad is not None
     model.zero_grad(set_to_none=True)
