@@ -43,6 +43,19 @@ def test_gpo_help_lists_every_command_with_one_line(capsys, args):
     assert set(ALL_COMMANDS) == {"fit", "validate", "tiny", "plot", "export"}
 
 
+def test_gpo_help_answers_without_importing_lightning_or_torch():
+    """The command list is the first thing a user runs: it must not wait for Lightning's imports (about 4 s)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from gpo.cli import run; run(['--help']); print(sorted({'lightning', 'torch'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "commands:" in done.stdout and done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
 @pytest.mark.parametrize("name", ["validate", "tiny", "plot", "export"])
 def test_every_listed_command_has_its_own_help(name):
     assert "usage:" in help_text(name, "--help")

@@ -10,9 +10,10 @@ import sys
 
 from jsonargparse import ArgumentError
 
+from gpo import lazy_exports
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
 from gpo.cli.errors import explain
-from gpo.cli.fit import GPOCLI, SUBCOMMANDS, default_loggers
+from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
 
 #: The small commands, by name: the function that runs one (given the arguments after its name) and its line in
@@ -35,6 +36,9 @@ USER_ERRORS = (
 )
 
 __all__ = ["GPOCLI", "default_loggers", "main", "run"]
+# Lightning's CLI is imported when first used: ``gpo --help`` and the small commands start without Lightning (about
+# 4 s of imports).
+__getattr__ = lazy_exports("gpo.cli", {"GPOCLI": "gpo.cli.fit", "default_loggers": "gpo.train.loggers"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         close = difflib.get_close_matches(args[0], [*SUBCOMMANDS, *COMMANDS], n=1)
         guess = f"did you mean {close[0]}? " if close else ""
         raise ValueError(f"unknown command {args[0]!r}; {guess}gpo --help lists the commands.")
+    from gpo.cli.fit import GPOCLI
     from gpo.train.data import PromptDataModule
     from gpo.train.module import GPOModule
 
@@ -81,22 +86,28 @@ def run(argv: list[str] | None = None) -> None:
 
     The working directory goes on the import path, last (so it shadows no installed package), as ``python -m`` would
     put it first: ``model.rewards: [my_rewards.fn]`` finds ``./my_rewards.py``."""
-    from gpo.train.checkpointing import CheckpointError
-
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     args = sys.argv[1:] if argv is None else argv
     try:
         args = with_shipped_configs(args)
         main(args)
-    except (*USER_ERRORS, CheckpointError) as error:
-        if os.environ.get("GPO_TRACEBACK"):
+    except Exception as error:
+        if not is_user_error(error) or os.environ.get("GPO_TRACEBACK"):
             raise
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         text = explain(str(error), config_files(args), known_groups())
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists the settings)",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
+
+
+def is_user_error(error: Exception) -> bool:
+    """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, or a checkpoint that cannot be
+    used), which ``run`` prints as a short message."""
+    from gpo.train.checkpointing import CheckpointError  # imports Lightning: only once something has failed
+
+    return isinstance(error, (*USER_ERRORS, CheckpointError))
 
 
 def known_groups() -> dict[str, type]:

@@ -12,13 +12,8 @@ from lightning.pytorch.cli import LightningCLI
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
+from gpo.cli.helptext import SUBCOMMANDS
 from gpo.train.loggers import default_loggers
-
-#: The Trainer methods ``gpo`` runs, with their line in ``gpo --help`` (GPOModule has no test or predict step).
-SUBCOMMANDS = {
-    "fit": "train a policy, e.g. gpo fit --config quickstart",
-    "validate": "evaluate a policy or a checkpoint (--ckpt_path) on the held-out prompts, without training",
-}
 
 
 class GPOCLI(LightningCLI):

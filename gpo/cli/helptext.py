@@ -10,6 +10,11 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
 from gpo.cli.shipped import shipped_configs
 
+#: The Trainer methods ``gpo`` runs, with their line in ``gpo --help`` (GPOModule has no test or predict step).
+SUBCOMMANDS = {
+    "fit": "train a policy, e.g. gpo fit --config quickstart",
+    "validate": "evaluate a policy or a checkpoint (--ckpt_path) on the held-out prompts, without training",
+}
 #: The flag that shows Lightning's full help instead of the focused one.
 FULL_HELP = "--help-all"
 #: Lightning's trainer settings that the focused help keeps (the others are still accepted; --help-all lists them).
