@@ -10,7 +10,6 @@ import os
 def make_tiny(argv: list[str]) -> None:
     """``gpo tiny OUT``: write a tiny random model and a synthetic task's prompts for a CPU run."""
     from gpo.tasks import TASKS, make_task, write_jsonl
-    from gpo.testing import save_tiny_model
 
     parser = argparse.ArgumentParser(prog="gpo tiny", description=make_tiny.__doc__)
     parser.add_argument("out", help="folder to write model/, train.jsonl and val.jsonl into")
@@ -19,6 +18,8 @@ def make_tiny(argv: list[str]) -> None:
     parser.add_argument("--examples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from gpo.testing import save_tiny_model  # transformers and torch: after --help and argument errors
+
     model = save_tiny_model(f"{args.out}/model", args.arch, seed=args.seed)
     write_jsonl(make_task(args.task, args.examples, seed=args.seed), f"{args.out}/train.jsonl")
     write_jsonl(make_task(args.task, 64, seed=args.seed + 1), f"{args.out}/val.jsonl")
@@ -47,9 +48,6 @@ def plot_curves(argv: list[str]) -> None:
 
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
-    from gpo.models.export import export_checkpoint
-    from gpo.train.checkpointing import CheckpointError
-
     parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
     parser.add_argument("config", help="the run's saved config.yaml")
     parser.add_argument("checkpoint", help="a .ckpt file of that run")
@@ -57,6 +55,9 @@ def export_checkpoint_command(argv: list[str]) -> None:
     parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
     parser.add_argument("--policy", help="base model folder, if the config's model.policy path is not valid here")
     args = parser.parse_args(argv)
+    from gpo.models.export import export_checkpoint  # Lightning, transformers, torch: after --help and argument errors
+    from gpo.train.checkpointing import CheckpointError
+
     try:
         out = export_checkpoint(args.config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
     except (FileNotFoundError, ValueError, CheckpointError) as err:
