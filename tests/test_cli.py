@@ -128,3 +128,18 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
         run(["fit", f"--config={QUICKSTART}", f"--config={old}", f"--model.policy={root / 'model'}"])
     err = capsys.readouterr().err
     assert "unknown setting model.knobs.use_ppo_clip" in err and f"(set in {old})" in err, err
+
+
+def test_a_run_prints_nothing_a_user_cannot_act_on(root):
+    """Lightning's cloud tips, its own pytree deprecation warning and its warning about the data module's batch
+    transfer are left out of ``gpo fit``'s output (a fresh process: Lightning warns once per process)."""
+    import subprocess
+
+    args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
+    args += ["--trainer.max_steps=1", "--data.val_path=null", f"--trainer.default_root_dir={root / 'quiet'}"]
+    done = subprocess.run([sys.executable, "-m", "gpo.cli", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "Sanity Checking" in output and "max_steps=1" in output  # it validated and trained
+    for noise in ("Tip:", "LeafSpec", "transfer_batch_to_device"):
+        assert noise not in output, output

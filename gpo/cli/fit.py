@@ -3,8 +3,10 @@ export) and configuration errors that name the key, the file and the fix."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -28,6 +30,7 @@ class GPOCLI(LightningCLI):
     of the trainer's; ``--help-all`` shows Lightning's full help."""
 
     def __init__(self, *args, **kwargs) -> None:
+        quiet_lightning()
         # gpo builds its optimiser from model.optim: Lightning's --optimizer / --lr_scheduler would be ignored
         kwargs.setdefault("auto_configure_optimizers", False)
         argv = kwargs.get("args")
@@ -95,6 +98,19 @@ class GPOCLI(LightningCLI):
 
     def _callback_keys(self) -> list[str]:
         return list(self._parser(self.subcommand).callback_keys) if self.subcommand else []
+
+
+def quiet_lightning() -> None:
+    """Leave out two things Lightning prints on every run that a gpo user cannot act on: its tips advertising its
+    cloud services, and the deprecation warning its own pytree helper raises under torch 2.13."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_NoTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("\N{ELECTRIC LIGHT BULB} Tip:")
 
 
 def _tokenizer_folder(policy, tokenizer) -> str:
