@@ -152,7 +152,10 @@ def test_a_config_name_that_is_neither_a_file_nor_shipped_lists_the_shipped_ones
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert "--config quickstrat: no such file here, and gpo ships no config of that name" in err, err
-    assert "adaptive_entropy, callbacks, cispo, dapo" in err and "quickstart" in err, err
+    assert "did you mean quickstart?" in err and "adaptive_entropy, callbacks, cispo, dapo" in err, err
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", "zzz"])
+    assert "did you mean" not in capsys.readouterr().err  # no guess when nothing is close
 
 
 # ---- misspelt keys in a YAML file ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ config of that name."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from importlib.resources import files
 from pathlib import Path
@@ -33,9 +34,11 @@ def config_path(value: str) -> str:
     name = value.removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
         return str(shipped[name])
+    close = difflib.get_close_matches(name, list(shipped), n=1)
+    guess = f"did you mean {close[0]}? Otherwise " if close else ""
     raise FileNotFoundError(
-        f"--config {value}: no such file here, and gpo ships no config of that name; give a YAML file's path or one "
-        f"of: {', '.join(shipped)}."
+        f"--config {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
+        f"or one of: {', '.join(shipped)}."
     )
 
 
