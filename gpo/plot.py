@@ -21,8 +21,16 @@ def metrics_csv_candidates(path: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (p.stat().st_mtime, _version(p.parent.name), str(p)))
 
 
+def trained(metrics_csv: Path) -> bool:
+    """Whether the run logged training steps (a ``reward/`` column), not only a validation (``gpo validate``)."""
+    with open(metrics_csv, newline="") as file:
+        header = next(csv.reader(file), [])
+    return any(column.startswith("reward/") for column in header)
+
+
 def find_metrics_csv(path: str | Path) -> Path:
-    """The run's ``metrics.csv``: ``path`` itself, its version folder's, or the newest version's below it."""
+    """The run's ``metrics.csv``: ``path`` itself, its version folder's, or the newest version's below it that
+    trained (a ``gpo validate`` afterwards writes a newer version holding only its validation), else the newest."""
     candidates = metrics_csv_candidates(path)
     if not candidates:
         where = "does not exist" if not Path(path).exists() else "has no " + ", ".join(SEARCHED)
@@ -31,7 +39,7 @@ def find_metrics_csv(path: str | Path) -> Path:
             "<trainer.default_root_dir>/lightning_logs/version_N/metrics.csv once a step has been logged, "
             "every trainer.log_every_n_steps)"
         )
-    return candidates[-1]
+    return ([c for c in candidates if trained(c)] or candidates)[-1]
 
 
 def read_metrics(metrics_csv: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -57,6 +57,24 @@ def test_find_metrics_csv_picks_the_newest_version(tmp_path):
     assert find_metrics_csv(newest) == newest
 
 
+def test_a_newer_validation_only_run_is_passed_over_for_the_run_that_trained(tmp_path, capsys):
+    """``gpo validate`` after training writes a newer version holding only ``val/`` columns; the curves a user asks
+    for are the training run's."""
+    from gpo.cli import main
+
+    root = tmp_path / "run"
+    trained = write_metrics(root / "lightning_logs/version_0/metrics.csv")
+    validated = root / "lightning_logs/version_1/metrics.csv"
+    validated.parent.mkdir()
+    validated.write_text("epoch,step,val/reward_greedy\n0,0,0.5\n")
+    os.utime(trained, (1_000_000, 1_000_000))
+    assert find_metrics_csv(root) == trained and find_metrics_csv(validated) == validated
+    main(["plot", str(root)])
+    assert f"read {trained} (1 validation-only left out)" in capsys.readouterr().out
+    trained.unlink()
+    assert find_metrics_csv(root) == validated  # nothing trained: the newest run all the same
+
+
 def test_no_metrics_csv_says_where_it_looked(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no metrics.csv found: .*empty has no metrics.csv, \*/metrics.csv"):
         find_metrics_csv((tmp_path / "empty").mkdir() or tmp_path / "empty")

@@ -28,7 +28,7 @@ def make_tiny(argv: list[str]) -> None:
 
 def plot_curves(argv: list[str]) -> None:
     """``gpo plot RUN_DIR``: plot a run's reward and completion-length curves from its metrics.csv into a PNG."""
-    from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run
+    from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run, trained
 
     parser = argparse.ArgumentParser(prog="gpo plot", description=plot_curves.__doc__)
     parser.add_argument("run_dir", help="a version_N folder, its lightning_logs folder or trainer.default_root_dir")
@@ -41,8 +41,11 @@ def plot_curves(argv: list[str]) -> None:
         out = plot_run(metrics_csv, args.out or os.path.join(args.run_dir, "curves.png"), args.metrics, args.window)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"gpo plot: error: {err}\n")
-    runs = len(metrics_csv_candidates(args.run_dir))
-    print(f"read {metrics_csv}" + (f" (the newest of {runs} runs)" if runs > 1 else ""))
+    runs = metrics_csv_candidates(args.run_dir)
+    training = sum(map(trained, runs))
+    about = [f"the newest of {training} training runs"] if training > 1 else []
+    about += [f"{len(runs) - training} validation-only left out"] if 0 < training < len(runs) else []
+    print(f"read {metrics_csv}" + (f" ({'; '.join(about)})" if about else ""))
     print(f"wrote {out}")
 
 
