@@ -23,6 +23,8 @@ from tensorboardX.proto.summary_pb2 import Summary
 from torch import Tensor
 from typing_extensions import override
 
+from gpo.plot import trained
+
 SAVE_EVERY_S = 10.0
 
 
@@ -122,13 +124,24 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
 
 def default_loggers(root: str, resume: bool = False) -> list[Logger]:
     """CSV and TensorBoard loggers sharing ``<root>/lightning_logs/version_N/`` (TensorBoard's files in ``tb/``);
-    ``resume`` continues the newest existing version (its metrics kept) instead of starting a new one.
+    ``resume`` continues the run's existing version (``resumed_version``; its metrics kept) instead of starting a new
+    one.
 
     The CSV logger comes first, so the saved ``config.yaml`` lands next to ``metrics.csv``."""
     csv_logger = ContinuedCSVLogger(root)
     if resume and csv_logger.version > 0:
-        csv_logger = ContinuedCSVLogger(root, version=csv_logger.version - 1)  # the next free version minus one
+        csv_logger = ContinuedCSVLogger(root, version=resumed_version(Path(csv_logger.root_dir), csv_logger.version))
     tensorboard = OneEventTensorBoardLogger(
         root, version=csv_logger.version, sub_dir="tb", default_hp_metric=False, flush_secs=SAVE_EVERY_S
     )  # its writer thread flushes every SAVE_EVERY_S
     return [csv_logger, tensorboard]
+
+
+def resumed_version(logs: Path, next_free: int) -> int:
+    """The version folder in ``logs`` that a resumed run continues: the newest whose ``metrics.csv`` holds training
+    steps, passing over the newer ones ``gpo validate`` writes (its validation alone); else the newest of all."""
+    for version in range(next_free - 1, -1, -1):
+        metrics_csv = logs / f"version_{version}" / "metrics.csv"
+        if metrics_csv.is_file() and trained(metrics_csv):
+            return version
+    return next_free - 1

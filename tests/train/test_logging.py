@@ -91,3 +91,17 @@ def test_csv_rows_reach_the_disk_within_save_every_s_not_at_every_log(tmp_path, 
     monkeypatch.setattr(loggers, "SAVE_EVERY_S", 0.0)
     csv_logger.log_metrics({"loss": 2.0}, step=1)
     assert [row["loss"] for row in csv.DictReader(path.open())] == ["1.0", "2.0"]
+
+
+def test_a_resumed_run_continues_the_version_that_trained_not_a_newer_validation(tmp_path):
+    """``gpo validate`` after training writes ``version_1`` with its validation row alone; ``--ckpt_path last`` then
+    continues ``version_0``, where the run's training rows are."""
+    logs = tmp_path / "lightning_logs"
+    for version, header in [(0, "epoch,step,reward/mean"), (1, "epoch,step,val/reward_greedy"), (2, "")]:
+        (logs / f"version_{version}").mkdir(parents=True)
+        if header:  # version_2: a run stopped before its first write
+            (logs / f"version_{version}/metrics.csv").write_text(f"{header}\n0,0,0.5\n")
+    resumed = [logger.version for logger in default_loggers(str(tmp_path), resume=True)]
+    assert resumed == [0, 0] and default_loggers(str(tmp_path))[0].version == 3
+    (logs / "version_0/metrics.csv").unlink()
+    assert default_loggers(str(tmp_path), resume=True)[0].version == 2  # nothing trained: the newest, as before
