@@ -28,12 +28,22 @@ class StepProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate)  # one bar for the whole run: none is left behind per epoch
 
     @override
+    def on_train_start(self, trainer: L.Trainer, *_: Any) -> None:
+        super().on_train_start(trainer)
+        if trainer.max_steps > 0:  # a run resumed mid-epoch gets no on_train_epoch_start before its first batch
+            self._count_steps(trainer)
+
+    @override
     def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
         if trainer.max_steps <= 0:
             super().on_train_epoch_start(trainer)
             return
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: L.Trainer) -> None:
+        """Show ``global_step`` out of ``max_steps``, counting on from the steps already done (a resumed run)."""
         bar = self.train_progress_bar
-        if bar.total != trainer.max_steps:  # the run's first epoch here: count on from the steps already done
+        if bar.total != trainer.max_steps:
             bar.reset(total=trainer.max_steps)
             bar.initial = bar.n = trainer.global_step
         bar.set_description(f"Epoch {trainer.current_epoch}, step")

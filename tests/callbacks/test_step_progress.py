@@ -69,6 +69,15 @@ def test_lightnings_own_bar_counts_batches_of_the_epoch_instead(tmp_path):
     assert [(n, total) for n, total, _ in rows] == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5), (1, 4), (2, 4)]
 
 
+class SaveAtStep(L.Callback):
+    def __init__(self, path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def test_a_resumed_run_counts_on_from_its_checkpoint(tmp_path):
     trainer, _ = fit(tmp_path / "first", StepProgressBar(), max_steps=6)
     checkpoint = tmp_path / "first.ckpt"
@@ -76,3 +85,16 @@ def test_a_resumed_run_counts_on_from_its_checkpoint(tmp_path):
     resumed, rows = fit(tmp_path / "second", StepProgressBar(), max_steps=10, ckpt_path=checkpoint)
     assert rows == [(8, 10, 8), (10, 10, 10)]
     assert resumed.progress_bar_callback.train_progress_bar.initial == 6  # the rate counts this run's steps only
+
+
+def test_a_run_resumed_from_a_checkpoint_written_mid_epoch_counts_on_too(tmp_path):
+    """As ``gpo fit``'s checkpoints are written: Lightning calls no ``on_train_epoch_start`` before resuming."""
+    checkpoint = tmp_path / "mid.ckpt"
+    trainer = L.Trainer(
+        max_steps=8, callbacks=[StepProgressBar(), SaveAtStep(checkpoint, 6)], logger=False,
+        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TwoStepsPerBatch())
+    resumed, rows = fit(tmp_path / "second", StepProgressBar(), max_steps=10, ckpt_path=checkpoint)
+    assert rows == [(8, 10, 8), (10, 10, 10)]
+    assert resumed.progress_bar_callback.train_progress_bar.desc.startswith("Epoch 0, step")
