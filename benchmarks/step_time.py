@@ -35,9 +35,10 @@ settings ask for (the positions are those ``generate`` sampled at, which skip le
 warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
 arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the CPU generator
 seeded directly, in inference mode); the overhead, gpo step time / (bare generate + bare train), is reported against
-each over its own steps. Between the two, the bare work also decodes gpo's completions, scores them with
-``positional_match`` and normalises the rewards within each group, whose advantages its loss uses: the overhead
-against that complete bare GRPO step (``generate`` as gpo calls it) is reported too.
+each over its own steps. Between the two, the bare work also does what any GRPO step does besides: it left-pads the
+batch's prompt token lists into tensors, marks the completion tokens up to the first EOS, decodes gpo's completions,
+scores them with ``positional_match`` and normalises the rewards within each group, whose advantages its loss uses:
+the overhead against that complete bare GRPO step (``generate`` as gpo calls it) is reported too.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -118,12 +119,13 @@ class Step:
     completion_mask: Tensor  # [B, T]
     prompts: list[str]  # [B]
     answers: list[str]  # [B]
+    prompt_lists: list[list[int]]  # the batch's prompts as token lists, one per group, as the data loader gives them
     bare_generate_s: float = float("nan")
     bare_lean: bool = False  # the bare generate call was made as gpo makes it (BareWork.generate_lean)
     bare_forward_s: float = float("nan")  # forward + loss
     bare_backward_s: float = float("nan")
     bare_optimiser_s: float = float("nan")  # clip + AdamW step + zero_grad
-    bare_scoring_s: float = float("nan")  # decode + reward + group advantages
+    bare_scoring_s: float = float("nan")  # padding + completion mask + decode + reward + group advantages
     bare_width: int = 0
 
     @property
@@ -183,15 +185,30 @@ class BareWork:
         return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
 
     def score(self, step: Step) -> tuple[float, Tensor]:
-        """What any GRPO step does between sampling and training: decode the completions (gpo's tokens), score them
-        with the same reward function, and normalise the rewards within each group of ``--group-size`` rows (GRPO's
-        population standard deviation; a group without spread gets 0). Seconds, advantages ``[B, 1]``."""
+        """What any GRPO step does around sampling besides ``generate`` and training: left-pad the batch's token
+        lists into the ``[B, P]`` tensors ``generate`` takes (``--group-size`` rows each), mark the completion tokens
+        up to and including the first EOS, decode the completions (gpo's tokens), score them with the same reward
+        function, and normalise the rewards within each group (GRPO's population standard deviation; a group
+        without spread gets 0). The tensors are checked against the ones gpo built, outside the timer. Seconds,
+        advantages ``[B, 1]``."""
         started = time.perf_counter()
-        pad = self.tokenizer.pad_token_id
-        ids = step.completion_ids.masked_fill(step.completion_mask == 0, pad)
-        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        pad, eos, lists = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, step.prompt_lists
+        width = max(map(len, lists))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in lists]).repeat_interleave(self.group_size, 0)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in lists]).repeat_interleave(
+            self.group_size, 0
+        )
+        is_eos = (step.completion_ids == eos).long()
+        completion_mask = (is_eos.cumsum(1) - is_eos) == 0  # [B, T]: no EOS before this token
+        completions = self.tokenizer.batch_decode(step.completion_ids.masked_fill(~completion_mask, pad),
+                                                  skip_special_tokens=True)  # fmt: skip
         rewards = torch.tensor(positional_match(step.prompts, completions, answer=step.answers))
-        return time.perf_counter() - started, group_advantages(rewards, self.group_size)
+        advantages = group_advantages(rewards, self.group_size)
+        elapsed = time.perf_counter() - started
+        same = torch.equal(ids, step.prompt_ids) and torch.equal(mask, step.prompt_mask)
+        if not (same and torch.equal(completion_mask.long(), step.completion_mask)):
+            raise AssertionError("the bare padding or completion mask differs from gpo's: not the same work")
+        return elapsed, advantages
 
     def train(self, step: Step, advantages: Tensor) -> tuple[float, float, float]:
         """Forward (at the positions ``generate`` sampled at, as any trainer must pass with left-padded prompts),
@@ -283,7 +300,7 @@ class StepRecorder(RolloutCallback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
-        logged, r = trainer.callback_metrics, self.rollout
+        logged, r, g = trainer.callback_metrics, self.rollout, pl_module.collector.group_size
         step = Step(
             wall_s=now - self.last_end if self.last_end is not None else float("nan"),
             rollout_s=float(logged["time/rollout_s"]),
@@ -302,6 +319,9 @@ class StepRecorder(RolloutCallback):
             completion_mask=r.completion_mask.clone(),
             prompts=list(r.prompts),
             answers=list(r.fields["answer"]),
+            prompt_lists=[
+                row[keep.bool()].tolist() for row, keep in zip(r.prompt_ids[::g], r.prompt_mask[::g], strict=True)
+            ],
         )
         if self.bare is not None:
             step.bare_lean = bool(batch_idx % 2)  # the two forms of the bare generate call take turns
@@ -430,8 +450,8 @@ def report(steps: list[Step]) -> None:
         print(f"| {name} | {mean_sd([v * 1e3 for v in ours])} | {bare[0]} | {bare[1]} |")
     print("\n## Where a step goes (mean ± sd, ms)\n")
     print("The bare column times the same parts of the bare work (`generate` as gpo calls it, its mode switches")
-    print("included, which gpo counts in its bookkeeping; against the bookkeeping, the bare decoding, reward and group")
-    print("advantages).\n")
+    print("included, which gpo counts in its bookkeeping; against the bookkeeping, the bare padding of the prompts'")
+    print("token lists, completion mask, decoding, reward and group advantages).\n")
     print("| part | gpo | share of gpo's step | bare |")
     print("| --- | ---: | ---: | ---: |")
     counted = ("generate_s", "sampler_logp_s", "forward_s", "backward_s", "optimiser_s", "logging_s")
@@ -457,7 +477,7 @@ def report(steps: list[Step]) -> None:
     bare_steps = [
         ("`generate` hand-written + train", forms["hand-written"], lambda s: s.bare_generate_s + s.bare_train_s),
         ("`generate` as gpo calls it + train", lean, lambda s: s.bare_generate_s + s.bare_train_s),
-        ("`generate` as gpo calls it + decoding, reward, group advantages + train", lean,
+        ("`generate` as gpo calls it + padding, masks, decoding, reward, group advantages + train", lean,
          lambda s: s.bare_generate_s + s.bare_scoring_s + s.bare_train_s),
     ]  # fmt: skip
     for name, chosen, bare_s in bare_steps:
