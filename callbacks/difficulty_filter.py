@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback
+from gpo.train.metrics import BatchValues
 
 
 class DifficultyFilter(RolloutCallback):
@@ -57,7 +58,9 @@ class DifficultyFilter(RolloutCallback):
     - after scoring: ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module, rollout)``; the rollout needs
       ``group[B]`` (rows of a group answer one prompt), ``reward[B]`` (or ``scores[B, K]`` with ``score_index``),
       and ``prompts`` (or ``fields[key_column]``), one entry per row.
-    - ``log_dict`` (Lightning's) for the metrics.
+
+    Its metrics (``difficulty/*``) go to ``trainer.callback_metrics`` every step and to the loggers every
+    ``log_every_n_steps`` (``gpo.train.metrics.publish_values``).
 
     Args:
         low: lowest pass rate kept (inclusive), in [0, 1].
@@ -98,6 +101,7 @@ class DifficultyFilter(RolloutCallback):
         self.step = 0
         self.history: dict[Hashable, deque[tuple[int, int, int]]] = {}  # key -> (step, passes, completions)
         self._warned_fallback = False
+        self.batch_values = BatchValues()
 
     # ---- the two extra hooks ----------------------------------------------------------------------------------
 
@@ -116,15 +120,8 @@ class DifficultyFilter(RolloutCallback):
                     "use a larger dataset (warned once; difficulty/fallback counts the steps)."
                 )
                 self._warned_fallback = True
-        module.log_dict(
-            {
-                "difficulty/seen": float(len(keys)),
-                "difficulty/skipped": float(len(keys) - len(keep)),
-                "difficulty/fallback": float(fallback),
-            },
-            on_step=True,
-            on_epoch=False,
-        )
+        seen = {"seen": len(keys), "skipped": len(keys) - len(keep), "fallback": fallback}
+        self.batch_values.add({f"difficulty/{key}": float(value) for key, value in seen.items()})
         return batch if len(keep) == len(keys) else select_prompts(batch, keep)
 
     @override
@@ -146,8 +143,11 @@ class DifficultyFilter(RolloutCallback):
             entries = self.history.setdefault(keys[row], deque(maxlen=self.window))
             entries.append((self.step, passes[g], sizes[g]))
         self._forget_stale()
-        counts = {f"difficulty/{k}": float(v) for k, v in self.population().items()}
-        module.log_dict(counts, on_step=True, on_epoch=False)
+        self.batch_values.add({f"difficulty/{k}": float(v) for k, v in self.population().items()})
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+        self.batch_values.publish(trainer)
 
     # ---- pass rates -------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing_extensions import override
 from gpo.parallel import collectives
 from gpo.rollout.base import Rollout, concat_rollouts
 from gpo.train.hooks import RolloutCallback, require_source
+from gpo.train.metrics import BatchValues
 
 OnExhausted = Literal["train", "skip"]
 TOTALS = ("steps", "groups_drawn", "groups_kept", "rounds", "exhausted_steps", "tokens_drawn")
@@ -40,7 +41,8 @@ class DynamicSampling(RolloutCallback):
     Uniformity is judged on ``rollout.reward``, the reward the advantages are computed from. A KL penalty placed
     in the reward makes every group non-uniform; filter on a reward without it if that matters.
 
-    Logged every step (``module.log_dict``): ``dynamic_sampling/groups_drawn`` (all groups sampled this step),
+    Metrics of every step (``gpo.train.metrics.publish_values``: ``trainer.callback_metrics`` every step, the
+    loggers every ``log_every_n_steps``): ``dynamic_sampling/groups_drawn`` (all groups sampled this step),
     ``groups_kept`` (trained on), ``groups_dropped`` (uniform), ``groups_surplus`` (informative but beyond
     ``num_groups``), ``rounds`` (extra rounds drawn), ``exhausted`` (1.0 if ``max_rounds`` ran out),
     ``tokens_drawn`` (completion tokens generated, dropped groups included), ``informative_frac`` (informative
@@ -53,8 +55,7 @@ class DynamicSampling(RolloutCallback):
       adjacent; the token tensors are what ``Rollout.select`` and ``concat_rollouts`` carry along). With
       ``max_rounds=0`` it is never called.
     - in ``training_step``, after scoring: ``rollout = gpo.train.hooks.run_rollout_hooks(trainer, module,
-      rollout)``; skip the step if the result has no rows, otherwise train on it. ``log_dict`` (Lightning's)
-      receives the metrics.
+      rollout)``; skip the step if the result has no rows, otherwise train on it.
 
     Under DDP with ``W`` processes, ``num_groups`` is global: each process fills its own share of
     ``num_groups / W`` groups from its own prompts (drawing its own extra rounds, with no collective in between) and
@@ -92,6 +93,7 @@ class DynamicSampling(RolloutCallback):
             raise ValueError(f"on_exhausted={on_exhausted!r} is not valid; choose 'train' or 'skip'.")
         self.num_groups, self.max_rounds, self.atol, self.on_exhausted = num_groups, max_rounds, atol, on_exhausted
         self.totals = dict.fromkeys(TOTALS, 0)
+        self.batch_values = BatchValues()
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -136,7 +138,7 @@ class DynamicSampling(RolloutCallback):
                 f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step."
             )
         logged = {key: step[key] for key in (*count, "rounds", "exhausted")}
-        self._log(pl_module, {**logged, "groups_kept": 0 if step["skip"] else step["held"]})
+        self._log({**logged, "groups_kept": 0 if step["skip"] else step["held"]})
         if skip:
             return rollout.select([])
         if len(parts) == 1 and len(parts[0]) == len(rollout):
@@ -158,7 +160,7 @@ class DynamicSampling(RolloutCallback):
         order = rows.new_full(ids.shape, len(index)).scatter_reduce(0, index, rows, "amin").argsort()  # by first row
         return ids[order][(high - low)[order] > self.atol], len(ids)
 
-    def _log(self, pl_module: LightningModule, step: dict[str, int | bool]) -> None:
+    def _log(self, step: dict[str, int | bool]) -> None:
         drawn = step["groups_drawn"]
         informative = drawn - step["groups_dropped"]
         self.totals["steps"] += 1
@@ -167,7 +169,11 @@ class DynamicSampling(RolloutCallback):
             self.totals[key] += int(step[key])
         metrics = {**step, "informative_frac": informative / drawn if drawn else 0.0}
         metrics.update({f"total_{key}": value for key, value in self.totals.items()})
-        pl_module.log_dict({f"dynamic_sampling/{k}": float(v) for k, v in metrics.items()}, on_step=True)
+        self.batch_values.add({f"dynamic_sampling/{k}": float(v) for k, v in metrics.items()})
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+        self.batch_values.publish(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback, require_source
+from gpo.train.metrics import publish_values
 
 COLLAPSE_SIGNALS = ("entropy", "ngram_unique", "reward_group_std")
 UNIFORM_ATOL = 1e-6  # a group whose rewards span at most this has zero advantage (GroupNormAdvantage's eps)
@@ -61,7 +62,10 @@ class RolloutMonitor(RolloutCallback):
       rollout, so it sees what is trained on.
     - for ``compute_entropy``: ``scorer`` (``gpo.train.hooks.RolloutSource``: a ``TokenScorer`` of the policy at
       the sampling temperature) and the rollout's ``prompt_ids``/``prompt_mask`` (left-padded).
-    - ``log_dict`` (Lightning's); the statistics are logged in ``on_train_batch_end``, after the step's updates.
+
+    The statistics (``monitor/*``) are published in ``on_train_batch_end``, after the step's updates: to
+    ``trainer.callback_metrics`` every step and to the loggers every ``log_every_n_steps``
+    (``gpo.train.metrics.publish_values``).
 
     Each process monitors its own rollout (no collective calls).
 
@@ -148,7 +152,7 @@ class RolloutMonitor(RolloutCallback):
             self._warned_no_entropy = True
         stats.update(self._collapse_check(stats, trainer.global_step))
         measured = {f"monitor/{k}": v for k, v in stats.items() if math.isfinite(v)}  # nan: not measurable
-        pl_module.log_dict(measured, on_step=True, on_epoch=False)
+        publish_values(trainer, measured)
 
     def _collapse_check(self, stats: dict[str, float], step: int) -> dict[str, float]:
         self.steps += 1

@@ -29,12 +29,21 @@ SAVE_EVERY_S = 10.0
 
 
 class ContinuedWriter(ExperimentWriter):
-    """Lightning's CSV experiment writer, except that an existing ``metrics.csv`` is continued instead of deleted.
+    """Lightning's CSV experiment writer, except that an existing ``metrics.csv`` is continued instead of deleted,
+    and that a step's metrics logged in several calls make one row.
 
     The rows already in the file stay, but those at or after the first step logged now: a run resumed from a
     checkpoint logs again the steps between that checkpoint and the moment it stopped, and their new rows replace
-    the old ones.
+    the old ones. Metrics logged at the step of the last row not yet written, under other names (the module's and
+    each callback's), join that row.
     """
+
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        super().log_metrics(metrics_dict, step)
+        if len(self.metrics) > 1:
+            last, new = self.metrics[-2], self.metrics[-1]
+            if new["step"] == last["step"] and not (new.keys() & last.keys()) - {"step"}:
+                last.update(self.metrics.pop())
 
     def _check_log_dir_exists(self) -> None:
         self._kept: list[dict[str, str]] | None = None

@@ -91,6 +91,32 @@ def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress
         logger.log_metrics(row, step=step)
 
 
+def publish_values(trainer: Trainer, values: Mapping[str, float]) -> None:
+    """A callback's step metrics, numbers it measured on the host, handed on as ``publish`` does: to
+    ``trainer.callback_metrics`` every step and to the loggers when logging is due (``log_due``, the row of the
+    module's metrics). ``LightningModule.log_dict`` costs about 0.25 ms a key every step on a CPU: 2 ms a step for
+    a callback that logs 8 keys."""
+    if values:
+        tensors = torch.tensor(list(values.values()), dtype=torch.float32).unbind()  # [K] -> K 0-d tensors
+        publish(trainer, dict(zip(values, tensors, strict=True)), log=log_due(trainer), progress=())
+
+
+class BatchValues:
+    """A callback's metrics of the current training batch, gathered in any of its hooks and published once, when the
+    batch ends (``publish_values``): only then does ``log_due`` know whether the batch was the run's last."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def add(self, values: Mapping[str, float]) -> None:
+        self.values.update(values)
+
+    def publish(self, trainer: Trainer) -> None:
+        """In the callback's ``on_train_batch_end``."""
+        publish_values(trainer, self.values)
+        self.values = {}
+
+
 def publish_step(
     trainer: Trainer, collector: Collector, rollout: Rollout, step: dict[str, Tensor], step_adv: Tensor,
     metrics: dict[str, Tensor], *, scoring_s: float, training_s: float,

@@ -11,16 +11,20 @@ from gpo.callbacks.difficulty_filter import DifficultyFilter, select_prompts
 from gpo.rollout import HFEngine, Sampling
 from gpo.testing import save_tiny_model
 from gpo.train.hooks import RolloutCallback
+from tests.callbacks.fake_trainer import fake_trainer, published
 from tests.callbacks.grouped import grouped_rollout
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
 class FakeModule:
-    def __init__(self):
-        self.logged = {}
+    """Its ``trainer`` holds what the filter publishes."""
 
-    def log_dict(self, metrics, **kwargs):
-        self.logged.update(metrics)
+    def __init__(self):
+        self.trainer = fake_trainer()
+
+    @property
+    def logged(self) -> dict[str, float]:
+        return published(self.trainer, "")
 
 
 def make_rollout(prompts, rewards, fields=None):
@@ -33,8 +37,11 @@ def make_batch(prompts, fields=None):
 
 def step(flt, module, prompts, rewards_by_prompt, fields=None):
     """One step: filter ``prompts``, then score the kept ones with the given rewards; returns the kept prompts."""
-    kept = flt.on_prompts(None, module, make_batch(prompts, fields)) or make_batch(prompts, fields)
-    flt.on_rollout_end(None, module, make_rollout(kept["prompt"], [rewards_by_prompt[p] for p in kept["prompt"]]))
+    kept = flt.on_prompts(module.trainer, module, make_batch(prompts, fields)) or make_batch(prompts, fields)
+    flt.on_rollout_end(
+        module.trainer, module, make_rollout(kept["prompt"], [rewards_by_prompt[p] for p in kept["prompt"]])
+    )
+    flt.on_train_batch_end(module.trainer, module, None, None, 0)  # the filter publishes its metrics
     return kept["prompt"]
 
 
@@ -59,9 +66,10 @@ def test_a_retest_alone_decides_so_a_prompt_that_got_harder_comes_back():
     flt, module = DifficultyFilter(retest_every=2, window=4), FakeModule()
     step(flt, module, ["p"], {"p": [1.0] * 4})  # step 1: 4/4 -> above
     with pytest.warns(UserWarning, match="every prompt of the batch is outside"):
-        assert flt.on_prompts(None, module, make_batch(["p"]))["prompt"] == ["p"]  # step 2: fallback keeps it
+        assert flt.on_prompts(module.trainer, module, make_batch(["p"]))["prompt"] == ["p"]  # step 2: fallback keeps it
+    flt.on_rollout_end(module.trainer, module, make_rollout(["p"], [[0.0, 1.0, 0.0, 1.0]]))  # 2/4; window: 6/8 = 0.75
+    flt.on_train_batch_end(module.trainer, module, None, None, 0)
     assert module.logged["difficulty/fallback"] == 1.0
-    flt.on_rollout_end(None, module, make_rollout(["p"], [[0.0, 1.0, 0.0, 1.0]]))  # 2/4; window: 6/8 = 0.75
     assert flt.pass_rate("p") == 0.75  # both groups fresh, pooled: (4 + 2) / 8
     step(flt, module, ["q"], {"q": [0.0] * 4})  # steps 3, 4: p untouched
     step(flt, module, ["q"], {"q": [0.0] * 4})
@@ -70,10 +78,10 @@ def test_a_retest_alone_decides_so_a_prompt_that_got_harder_comes_back():
 
 def test_pass_rate_pools_the_last_window_groups():
     flt, module = DifficultyFilter(window=2, pass_threshold=0.5), FakeModule()
-    flt.on_prompts(None, module, make_batch(["p"]))
-    flt.on_rollout_end(None, module, make_rollout(["p", "p"], [[0.0] * 4, [0.5, 0.7]]))  # 0/4, then 2/2
+    flt.on_prompts(module.trainer, module, make_batch(["p"]))
+    flt.on_rollout_end(module.trainer, module, make_rollout(["p", "p"], [[0.0] * 4, [0.5, 0.7]]))  # 0/4, then 2/2
     assert flt.pass_rate("p") == pytest.approx(2 / 6)
-    flt.on_rollout_end(None, module, make_rollout(["p"], [[0.4, 0.6, 0.6, 0.6, 0.6, 0.6]]))  # 5/6; 0/4 leaves
+    flt.on_rollout_end(module.trainer, module, make_rollout(["p"], [[0.4, 0.6, 0.6, 0.6, 0.6, 0.6]]))  # 5/6; 0/4 leaves
     assert flt.pass_rate("p") == pytest.approx((2 + 5) / (2 + 6))
 
 
@@ -94,24 +102,24 @@ def test_key_column_tracks_prompts_by_id_and_fields_stay_aligned():
     flt, module = DifficultyFilter(key_column="id"), FakeModule()
     fields = {"id": [7, 8], "answer": ["a", "b"]}
     batch = make_batch(["same", "same"], fields)
-    flt.on_prompts(None, module, batch)
-    flt.on_rollout_end(None, module, make_rollout(["same", "same"], [[1.0] * 2, [1.0, 0.0]], fields))
+    flt.on_prompts(module.trainer, module, batch)
+    flt.on_rollout_end(module.trainer, module, make_rollout(["same", "same"], [[1.0] * 2, [1.0, 0.0]], fields))
     assert flt.pass_rate(7) == 1.0 and flt.pass_rate(8) == 0.5
-    kept = flt.on_prompts(None, module, batch)
+    kept = flt.on_prompts(module.trainer, module, batch)
     assert kept["fields"] == {"id": [8], "answer": ["b"]} and kept["prompt_ids"] == [batch["prompt_ids"][1]]
     with pytest.raises(ValueError, match=r"key_column='id' is not among the batch fields \(answer\)"):
-        flt.on_prompts(None, module, make_batch(["x"], {"answer": ["a"]}))
+        flt.on_prompts(module.trainer, module, make_batch(["x"], {"answer": ["a"]}))
 
 
 def test_score_index_judges_on_one_reward_function():
     flt, module = DifficultyFilter(score_index=1), FakeModule()
     rollout = make_rollout(["p"], [[5.0, 5.0]])  # the mixed reward would pass both
     rollout.scores = torch.tensor([[5.0, 1.0], [5.0, 0.0]])
-    flt.on_prompts(None, module, make_batch(["p"]))
-    flt.on_rollout_end(None, module, rollout)
+    flt.on_prompts(module.trainer, module, make_batch(["p"]))
+    flt.on_rollout_end(module.trainer, module, rollout)
     assert flt.pass_rate("p") == 0.5
     with pytest.raises(ValueError, match="score_index=3 but the rollout has 2 score columns"):
-        DifficultyFilter(score_index=3).on_rollout_end(None, module, rollout)
+        DifficultyFilter(score_index=3).on_rollout_end(module.trainer, module, rollout)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 its metrics; inside a real Trainer with GPOModule and with a LightningModule that only follows the contract."""
 
 import warnings
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -15,6 +14,7 @@ from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback, RolloutSource, run_rollout_hooks
 from tests import tiny
+from tests.callbacks.fake_trainer import fake_trainer, published
 
 
 def make_rollout(rewards: list[list[float]], *, interleave: bool = False, tag: str = "") -> Rollout:
@@ -40,22 +40,30 @@ def make_rollout(rewards: list[list[float]], *, interleave: bool = False, tag: s
 
 
 class FakeModule(RolloutSource):
-    """Hands out prepared rollouts, one per ``draw_rollout``; records what is logged."""
+    """Hands out prepared rollouts, one per ``draw_rollout``; its ``trainer`` holds what the callback publishes."""
 
     device = torch.device("cpu")
 
     def __init__(self, *rollouts: Rollout) -> None:
-        self.queue, self.drawn, self.logged = list(rollouts), 0, {}
+        self.queue, self.drawn, self.trainer = list(rollouts), 0, fake_trainer(7)
 
     def draw_rollout(self) -> Rollout:
         self.drawn += 1
         return self.queue[self.drawn - 1]
 
-    def log_dict(self, metrics, **kwargs) -> None:
-        self.logged = {key.removeprefix("dynamic_sampling/"): value for key, value in metrics.items()}
+    @property
+    def logged(self) -> dict[str, float]:
+        return published(self.trainer, "dynamic_sampling/")
 
 
-TRAINER = SimpleNamespace(global_step=7)
+TRAINER = fake_trainer(7)
+
+
+def rollout_end(callback: DynamicSampling, module: FakeModule, rollout: Rollout) -> Rollout | None:
+    """``on_rollout_end``, then the end of the batch, when the callback publishes its metrics."""
+    out = callback.on_rollout_end(module.trainer, module, rollout)
+    callback.on_train_batch_end(module.trainer, module, None, None, 0)
+    return out
 
 
 def groups_by_prompt(rollout: Rollout) -> dict[str, list[float]]:
@@ -68,7 +76,7 @@ def groups_by_prompt(rollout: Rollout) -> dict[str, list[float]]:
 def test_uniform_groups_are_dropped_rows_of_a_group_need_not_be_adjacent():
     rollout = make_rollout([[1, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 0]], interleave=True)
     module = FakeModule()
-    out = DynamicSampling(num_groups=2, max_rounds=0).on_rollout_end(TRAINER, module, rollout)
+    out = rollout_end(DynamicSampling(num_groups=2, max_rounds=0), module, rollout)
     assert groups_by_prompt(out) == {"1": [0, 1, 0], "3": [1, 0, 0]}
     assert out.num_groups == 2 and len(out) == 6 and module.drawn == 0
     assert module.logged["groups_drawn"] == 4 and module.logged["groups_dropped"] == 2
@@ -81,7 +89,7 @@ def test_draws_more_rounds_until_the_target_then_trims_to_exactly_num_groups():
     second = make_rollout([[0, 0], [0, 0], [1, 0], [2, 2]], tag="b")
     third = make_rollout([[0, 1], [1, 1], [1, 0], [0.5, 0.2]], tag="c")  # 3 informative: 2 needed, 1 surplus
     module = FakeModule(second, third, make_rollout([[0, 1]], tag="never"))
-    out = DynamicSampling(max_rounds=5).on_rollout_end(TRAINER, module, first)  # target: the 4 groups of `first`
+    out = rollout_end(DynamicSampling(max_rounds=5), module, first)  # target: the 4 groups of `first`
     assert list(groups_by_prompt(out)) == ["a1", "b2", "c0", "c2"]  # the earliest informative groups, in order
     assert out.num_groups == 4 and len(out) == 8 and sorted(out.group.unique().tolist()) == [0, 1, 2, 3]
     assert module.drawn == 2
@@ -98,7 +106,7 @@ def test_surplus_informative_groups_are_trimmed_without_drawing():
 
 def test_a_step_that_needs_no_change_keeps_its_rollout():
     module = FakeModule()
-    assert DynamicSampling().on_rollout_end(TRAINER, module, make_rollout([[0, 1], [1, 0]])) is None
+    assert rollout_end(DynamicSampling(), module, make_rollout([[0, 1], [1, 0]])) is None
     assert module.logged["groups_kept"] == 2 and module.logged["rounds"] == 0
 
 
@@ -114,7 +122,7 @@ def test_running_out_with_train_trains_on_fewer_groups_and_warns_with_the_counts
     module = FakeModule(make_rollout([[0, 0], [1, 1], [0, 1]], tag="b"), make_rollout([[1, 1]] * 3, tag="c"))
     callback = DynamicSampling(max_rounds=2)
     with pytest.warns(UserWarning, match=r"step 7: 2 of 3 informative groups after 2 extra rounds \(9 groups drawn"):
-        out = callback.on_rollout_end(TRAINER, module, make_rollout([[0, 1], [1, 1], [2, 2]]))
+        out = rollout_end(callback, module, make_rollout([[0, 1], [1, 1], [2, 2]]))
     assert list(groups_by_prompt(out)) == ["0", "b2"]
     assert module.logged["exhausted"] == 1 and module.logged["groups_kept"] == 2 and module.logged["rounds"] == 2
 
@@ -123,7 +131,7 @@ def test_running_out_with_skip_returns_an_empty_rollout():
     module = FakeModule(make_rollout([[0, 0], [1, 1]]))
     callback = DynamicSampling(max_rounds=1, on_exhausted="skip")
     with pytest.warns(UserWarning, match="skipping the step"):
-        out = callback.on_rollout_end(TRAINER, module, make_rollout([[0, 1], [1, 1]]))
+        out = rollout_end(callback, module, make_rollout([[0, 1], [1, 1]]))
     assert out is not None and len(out) == 0 and out.num_groups == 0
     assert module.logged["exhausted"] == 1 and module.logged["groups_kept"] == 0
 
@@ -131,15 +139,15 @@ def test_running_out_with_skip_returns_an_empty_rollout():
 def test_no_informative_group_at_all_skips_even_with_train():
     module = FakeModule(make_rollout([[0, 0], [1, 1]]))
     with pytest.warns(UserWarning, match="0 of 2 informative groups.*skipping the step"):
-        out = DynamicSampling(max_rounds=1).on_rollout_end(TRAINER, module, make_rollout([[1, 1], [0, 0]]))
+        out = rollout_end(DynamicSampling(max_rounds=1), module, make_rollout([[1, 1], [0, 0]]))
     assert len(out) == 0
 
 
 def test_running_totals_are_logged_and_restored_from_state_dict():
     callback = DynamicSampling(num_groups=1, max_rounds=1)
     module = FakeModule(make_rollout([[0, 1]]))
-    callback.on_rollout_end(TRAINER, module, make_rollout([[1, 1], [0, 0]]))
-    callback.on_rollout_end(TRAINER, module, make_rollout([[1, 0]]))
+    rollout_end(callback, module, make_rollout([[1, 1], [0, 0]]))
+    rollout_end(callback, module, make_rollout([[1, 0]]))
     assert callback.state_dict() == {
         "steps": 2, "groups_drawn": 4, "groups_kept": 2, "rounds": 1, "exhausted_steps": 0, "tokens_drawn": 16,
     }  # fmt: skip

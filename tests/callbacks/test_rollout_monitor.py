@@ -12,6 +12,7 @@ from gpo.callbacks.rollout_monitor import RolloutMonitor, unique_ngram_ratio
 from gpo.models.scorer import TokenScorer
 from gpo.rollout.base import Rollout
 from gpo.testing import tiny_model
+from tests.callbacks.fake_trainer import fake_trainer, published
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
@@ -27,14 +28,12 @@ class GivenEntropy:
 
 class FakeModule:
     def __init__(self, scorer=None):
-        self.logged, self.scorer = {}, scorer
-
-    def log_dict(self, metrics, **kwargs):
-        self.logged = dict(metrics)
+        self.scorer = scorer
 
 
-def fake_trainer(step=0, **metrics):
-    return SimpleNamespace(global_step=step, callback_metrics=metrics)
+def monitored(trainer) -> dict[str, float]:
+    """What the monitor published into ``trainer`` (its ``monitor/*`` metrics)."""
+    return {f"monitor/{key}": value for key, value in published(trainer, "monitor/").items()}
 
 
 def make_rollout(ids, mask, group, reward, truncated=None, prompt_len=1):
@@ -54,10 +53,10 @@ def make_rollout(ids, mask, group, reward, truncated=None, prompt_len=1):
 def run_step(monitor, rollout, metrics=None, step=0, token_entropy=None):
     """on_rollout_end then on_train_batch_end, as in a training step that logged ``metrics``, with the module's
     scorer giving ``token_entropy[B, T]``; returns what the monitor logged."""
-    module = FakeModule(GivenEntropy(token_entropy))
+    module, trainer = FakeModule(GivenEntropy(token_entropy)), fake_trainer(step, **(metrics or {}))
     monitor.on_rollout_end(fake_trainer(step), module, rollout)
-    monitor.on_train_batch_end(fake_trainer(step, **(metrics or {})), module, None, None, 0)
-    return module.logged
+    monitor.on_train_batch_end(trainer, module, None, None, 0)
+    return monitored(trainer)
 
 
 # Two groups of two: group 0 repeats one completion, group 1 differs.
@@ -204,9 +203,10 @@ def test_computed_entropy_matches_a_full_softmax_reference():
     for batch_size in (None, 1):
         scorer = TokenScorer(model)
         monitor, module = RolloutMonitor(compute_entropy=True, entropy_batch_size=batch_size), FakeModule(scorer)
+        trainer = fake_trainer(entropy=torch.tensor(-1.0))
         monitor.on_rollout_end(fake_trainer(), module, rollout)
-        monitor.on_train_batch_end(fake_trainer(entropy=torch.tensor(-1.0)), module, None, None, 0)
-        assert module.logged["monitor/entropy"] == pytest.approx(reference, rel=1e-5)
+        monitor.on_train_batch_end(trainer, module, None, None, 0)
+        assert monitored(trainer)["monitor/entropy"] == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,34 @@ def test_callbacks_and_the_progress_bar_see_every_batch(tiny_assets, tmp_path):
     assert len(seen) == STEPS and len({loss for loss, _ in seen}) > 1  # fresh values every batch, not only logged ones
 
 
+def test_gpos_callbacks_reach_the_loggers_at_the_logged_batches_and_the_callbacks_every_batch(tiny_assets, tmp_path):
+    """DynamicSampling, DifficultyFilter and RolloutMonitor publish as the module does (no ``LightningModule.log``):
+    their metrics are in ``callback_metrics`` after every batch and in the row of each logged batch, one row a
+    batch in gpo's CSV however many of them log."""
+    from gpo.callbacks import DifficultyFilter, DynamicSampling, RolloutMonitor
+
+    seen = []
+
+    class Reader(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(trainer.callback_metrics["dynamic_sampling/total_steps"]))
+
+    callbacks = [DynamicSampling(max_rounds=1), DifficultyFilter(), RolloutMonitor(), Reader()]
+    logger = loggers.ContinuedCSVLogger(tmp_path / "cb")
+    _, trainer = fit(tiny_assets, tmp_path, logger=logger, log_every_n_steps=3, callbacks=callbacks)
+    assert seen == list(range(1, len(seen) + 1))  # every batch, skipped ones included
+    (metrics,) = (tmp_path / "cb").rglob("metrics.csv")
+    rows = [{key: value for key, value in row.items() if value} for row in csv.DictReader(metrics.open())]
+    assert len({row["step"] for row in rows}) == len(rows)  # one row a batch
+    logged = {int(row["step"]): row for row in rows if "dynamic_sampling/total_steps" in row}
+    last = len(seen) - 1
+    assert sorted(logged) == sorted({batch for batch in range(last) if batch % 3 == 2} | {last})
+    for batch, row in logged.items():
+        assert int(float(row["dynamic_sampling/total_steps"])) == batch + 1 and "difficulty/seen" in row
+    assert float(logged[last]["monitor/len_mean"]) == float(trainer.callback_metrics["monitor/len_mean"])
+    assert "reward/mean" in logged[last]
+
+
 def test_logging_never_changes_the_run(tiny_assets, tmp_path):
     quiet, _ = fit(tiny_assets, tmp_path)  # no logger at all
     logged, _ = fit(tiny_assets, tmp_path, logger=CSVLogger(tmp_path / "logged"), log_every_n_steps=1)
