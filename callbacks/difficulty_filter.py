@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback
-from gpo.train.metrics import BatchValues
+from gpo.train.metrics import BatchValues, log_due
 
 
 class DifficultyFilter(RolloutCallback):
@@ -45,8 +45,9 @@ class DifficultyFilter(RolloutCallback):
     for the current model and re-filter periodically (every 500 steps there) as the model improves.
 
     Logged: per step ``difficulty/seen`` and ``difficulty/skipped`` (prompts of the incoming batch),
-    ``difficulty/fallback`` (1.0 if the whole batch would have been skipped); after scoring, the tracked prompts
-    with a fresh pass rate ``difficulty/inside``, ``difficulty/below`` and ``difficulty/above`` the band. The
+    ``difficulty/fallback`` (1.0 if the whole batch would have been skipped); on the steps the loggers write (every
+    ``log_every_n_steps``: counting scans every tracked prompt), the tracked prompts with a fresh pass rate
+    ``difficulty/inside``, ``difficulty/below`` and ``difficulty/above`` the band. The
     pass-rate history and the step count are saved in checkpoints (``state_dict``).
 
     What the LightningModule must provide (gpo's ``GPOModule`` does):
@@ -59,7 +60,7 @@ class DifficultyFilter(RolloutCallback):
       ``group[B]`` (rows of a group answer one prompt), ``reward[B]`` (or ``scores[B, K]`` with ``score_index``),
       and ``prompts`` (or ``fields[key_column]``), one entry per row.
 
-    Its metrics (``difficulty/*``) go to ``trainer.callback_metrics`` every step and to the loggers every
+    Its metrics (``difficulty/*``) go to ``trainer.callback_metrics`` when each batch ends and to the loggers every
     ``log_every_n_steps`` (``gpo.train.metrics.publish_values``).
 
     Args:
@@ -140,13 +141,15 @@ class DifficultyFilter(RolloutCallback):
         for row, g in enumerate(group.tolist()):
             first_row.setdefault(g, row)
         for g, row in first_row.items():
-            entries = self.history.setdefault(keys[row], deque(maxlen=self.window))
+            entries = self.history.pop(keys[row], None) or deque(maxlen=self.window)
             entries.append((self.step, passes[g], sizes[g]))
+            self.history[keys[row]] = entries  # last: the history stays ordered by last update
         self._forget_stale()
-        self.batch_values.add({f"difficulty/{k}": float(v) for k, v in self.population().items()})
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+        if log_due(trainer):  # counting scans every tracked prompt: only for the rows the loggers write
+            self.batch_values.add({f"difficulty/{k}": float(v) for k, v in self.population().items()})
         self.batch_values.publish(trainer)
 
     # ---- pass rates -------------------------------------------------------------------------------------------
@@ -172,9 +175,13 @@ class DifficultyFilter(RolloutCallback):
         return counts
 
     def _forget_stale(self) -> None:
-        stale = [key for key, entries in self.history.items() if self.step - entries[-1][0] >= self.retest_every]
-        for key in stale:
-            del self.history[key]
+        """Drop the prompts whose newest group is stale: the first ones of the history, which is ordered by last
+        update (so a step costs what it forgets, not what it tracks)."""
+        while self.history:
+            oldest = next(iter(self.history))
+            if self.step - self.history[oldest][-1][0] < self.retest_every:
+                return
+            del self.history[oldest]
 
     def _rewards(self, rollout: Rollout) -> torch.Tensor:
         if self.score_index is None:

@@ -76,6 +76,25 @@ def test_a_retest_alone_decides_so_a_prompt_that_got_harder_comes_back():
     assert flt.pass_rate("p") is None and "p" not in flt.history  # newest group 2 steps old: stale, forgotten
 
 
+def test_stale_prompts_are_forgotten_whatever_their_order_of_first_sight():
+    """The history is kept in order of last update, so forgetting stops at the first fresh prompt: a prompt seen
+    first but updated since must not hide a stale one behind it."""
+    flt, module = DifficultyFilter(retest_every=2), FakeModule()
+    for prompt in ["a", "b", "a", "c"]:  # steps 1-4
+        step(flt, module, [prompt], {prompt: [0.0, 1.0]})
+    assert list(flt.history) == ["a", "c"]  # b, last seen at step 2, is 2 steps old at step 4: stale
+
+
+def test_the_band_counts_are_taken_on_the_steps_the_loggers_write():
+    flt, module = DifficultyFilter(), FakeModule()
+    module.trainer.log_every_n_steps = 2
+    step(flt, module, ["mid"], REWARDS)  # batch 0: not a logged batch
+    assert "difficulty/inside" not in module.logged and module.logged["difficulty/seen"] == 1
+    module.trainer.fit_loop.epoch_loop.total_batch_idx = 1
+    step(flt, module, ["mid"], REWARDS)
+    assert module.logged["difficulty/inside"] == 1
+
+
 def test_pass_rate_pools_the_last_window_groups():
     flt, module = DifficultyFilter(window=2, pass_threshold=0.5), FakeModule()
     flt.on_prompts(module.trainer, module, make_batch(["p"]))
