@@ -46,6 +46,7 @@ Run from the repository root (1 torch thread by default; keep the other cores id
     python benchmarks/step_time.py --preset long
     python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
     python benchmarks/step_time.py --preset quickstart --stand-ins advantages scoring logging  # bare stand-ins
+    python benchmarks/step_time.py --preset quickstart --with-callbacks  # DifficultyFilter and RolloutMonitor on
 
 See ``--help`` for the sizes, steps and threads.
 """
@@ -83,6 +84,7 @@ from workload import add_preset_argument, add_workload_arguments, mean_sd  # ben
 
 import gpo.parallel.fsdp
 import gpo.train.module
+from gpo.callbacks import DifficultyFilter, RolloutMonitor
 from gpo.cli import default_loggers
 from gpo.rewards import positional_match
 from gpo.rollout import HFEngine, Sampling
@@ -335,6 +337,12 @@ class StepRecorder(RolloutCallback):
         self.last_end = time.perf_counter()  # the bookkeeping above is ours, not gpo's: start the next step here
 
 
+def monitoring_callbacks(attach: bool) -> list[L.Callback]:
+    """``DifficultyFilter`` with the band ``[0, 1]`` (every prompt admitted, its bookkeeping done) and
+    ``RolloutMonitor``: callbacks that change nothing gpo trains on; none unless ``attach``."""
+    return [DifficultyFilter(low=0.0, high=1.0), RolloutMonitor()] if attach else []
+
+
 def put_stand_ins(module: GPOModule, parts: list[str]) -> None:
     """Replace ``parts`` of gpo's step by bare stand-ins, to bound what trimming them could save: ``advantages``,
     GRPO's group normalisation as a reshape (the rows come in groups, in order); ``scoring``, the reward function
@@ -400,7 +408,7 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[*monitoring_callbacks(args.with_callbacks), recorder],
     )
     trainer.fit(module, PromptDataModule(data_path, tokenizer=model_path, prompts_per_step=args.prompts_per_step))
     if recorder.profiler is not None:
@@ -518,6 +526,11 @@ def parse_args() -> argparse.Namespace:
         "them save?",
     )  # fmt: skip
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="(default: %(default)s, the quickstart's)")
+    parser.add_argument(
+        "--with-callbacks", action="store_true",
+        help="attach DifficultyFilter (admitting every prompt: the same training work) and RolloutMonitor, to see "
+        "what gpo's callbacks add to a step",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")
@@ -549,6 +562,8 @@ def main() -> None:
     )
     if args.stand_ins:
         print(f"- gpo's parts replaced by bare stand-ins: {', '.join(args.stand_ins)}")
+    if args.with_callbacks:
+        print("- callbacks: DifficultyFilter(low=0, high=1), RolloutMonitor()")
     print(f"- load average (1 min) before the run: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         model_path, data_path = make_workspace(Path(tmp), args)
