@@ -42,8 +42,8 @@ class DynamicSampling(RolloutCallback):
     in the reward makes every group non-uniform; filter on a reward without it if that matters.
 
     Metrics of every step (``gpo.train.metrics.publish_values`` when the batch ends: ``trainer.callback_metrics``
-    every step, the loggers every ``log_every_n_steps``): ``dynamic_sampling/groups_drawn`` (all groups sampled this step),
-    ``groups_kept`` (trained on), ``groups_dropped`` (uniform), ``groups_surplus`` (informative but beyond
+    every step, the loggers every ``log_every_n_steps``): ``dynamic_sampling/groups_drawn`` (all groups sampled
+    this step), ``groups_kept`` (trained on), ``groups_dropped`` (uniform), ``groups_surplus`` (informative but beyond
     ``num_groups``), ``rounds`` (extra rounds drawn), ``exhausted`` (1.0 if ``max_rounds`` ran out),
     ``tokens_drawn`` (completion tokens generated, dropped groups included), ``informative_frac`` (informative
     groups / groups drawn) and running ``total_*`` counts (saved in checkpoints via ``state_dict``).

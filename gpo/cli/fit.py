@@ -14,7 +14,6 @@ from lightning.pytorch.cli import LightningCLI
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
-from gpo.cli.helptext import SUBCOMMANDS
 from gpo.train.loggers import default_loggers
 
 
@@ -41,7 +40,7 @@ class GPOCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """Lightning's ``fit`` and ``validate`` (``SUBCOMMANDS``), with the Trainer arguments each skips."""
-        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in helptext.SUBCOMMANDS}
 
     def init_parser(self, **kwargs):
         kwargs.setdefault("exit_on_error", False)  # errors are raised, and gpo.cli.run prints them short
@@ -51,7 +50,7 @@ class GPOCLI(LightningCLI):
         return parser
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
-        for name, line in SUBCOMMANDS.items():
+        for name, line in helptext.SUBCOMMANDS.items():
             subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
 
@@ -104,13 +103,16 @@ def quiet_lightning() -> None:
     """Leave out two things Lightning prints on every run that a gpo user cannot act on: its tips advertising its
     cloud services, and the deprecation warning its own pytree helper raises under torch 2.13."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_NoTips())
+        logging.getLogger(name).addFilter(_NO_TIPS)  # the same filter object is added once, however many CLIs
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 class _NoTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+_NO_TIPS = _NoTips()
 
 
 def _tokenizer_folder(policy, tokenizer) -> str:
