@@ -10,7 +10,7 @@ def fake_trainer(global_step: int = 0, **callback_metrics) -> SimpleNamespace:
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=global_step))
     return SimpleNamespace(
         global_step=global_step, callback_metrics=dict(callback_metrics), progress_bar_metrics={}, loggers=[],
-        log_every_n_steps=1, max_steps=-1, should_stop=False, fit_loop=loop, world_size=1,
+        log_every_n_steps=1, max_steps=-1, should_stop=False, fit_loop=loop,
     )  # fmt: skip
 
 
