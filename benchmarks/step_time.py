@@ -82,6 +82,7 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
 from workload import add_preset_argument, add_workload_arguments, mean_sd  # benchmarks/workload.py
 
+import gpo.parallel.collectives
 import gpo.parallel.fsdp
 import gpo.train.module
 from gpo.callbacks import DifficultyFilter, RolloutMonitor
@@ -353,8 +354,7 @@ def put_stand_ins(module: GPOModule, parts: list[str]) -> None:
 
         def credit(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
             adv = group_advantages(rollout.reward, group_size) * mask  # [B, T]
-            step = {"reward": rollout.reward, "group": rollout.group, "mask": mask, "lengths": rollout.lengths,
-                    "truncated": rollout.truncated.float(), "scores": rollout.scores}  # fmt: skip
+            step, _ = gpo.parallel.collectives.gather_step(rollout, mask)  # one process: this rank's rows as they are
             return step, adv, adv
 
         module.credit = credit
