@@ -143,3 +143,28 @@ def test_a_run_prints_nothing_a_user_cannot_act_on(root):
     assert "Sanity Checking" in output and "max_steps=1" in output  # it validated and trained
     for noise in ("Tip:", "LeafSpec", "transfer_batch_to_device"):
         assert noise not in output, output
+
+
+def test_a_missing_model_or_data_file_names_the_configs_set_up_step(root, tmp_path, capsys, monkeypatch):
+    """The shipped multi-turn config run before its set-up: the error names the commands its header gives."""
+    from gpo.cli import run
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", "multiturn"])
+    err = capsys.readouterr().err
+    setup = "gpo tiny runs/tiny && python -m gpo.envs.number_guess_prompts runs/guess"
+    assert f"multiturn.yaml needs its set-up step run first: {setup}" in err, err
+
+    with pytest.raises(SystemExit):  # the model there, the data not
+        run(["fit", "--config", "multiturn", f"--model.policy={root / 'model'}"])
+    err = capsys.readouterr().err
+    assert "data.path" in err and setup in err, err
+
+
+def test_a_misspelt_setting_gets_no_set_up_hint(root, capsys):
+    from gpo.cli import run
+
+    with pytest.raises(SystemExit):
+        run(["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", "--model.optim.learning_rate=1"])
+    assert "set-up" not in capsys.readouterr().err

@@ -12,7 +12,7 @@ from jsonargparse import ArgumentError
 
 from gpo import lazy_exports
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
-from gpo.cli.errors import explain
+from gpo.cli.errors import explain, setup_steps
 from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
 
@@ -97,6 +97,8 @@ def run(argv: list[str] | None = None) -> None:
             raise
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         text = explain(str(error), config_files(args), known_groups())
+        if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
+            text = "\n".join([text, *setup_steps(config_files(args))])
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists the settings)",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -67,6 +68,8 @@ _NOT_ACCEPTED = re.compile(
     r"Problem with given class_path '([\w.]+)':\s*(?:Option '(\w+)' is not accepted|unrecognized arguments: --(\w+))"
 )
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
+#: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
+_SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
 
 
 def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
@@ -90,6 +93,20 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
             known[key.rpartition(".init_args.")[0]] = _import(rejected.group(1))
         lines.extend(_hints(key, known))
     return "\n".join([*lines, *moved])
+
+
+def setup_steps(config_files: Iterable[str]) -> list[str]:
+    """What the header comments of ``config_files`` say to run first (``# Set up ...:  COMMAND``), one line each: a
+    model or data file that is missing usually means that step was not run."""
+    steps = []
+    for name in config_files:
+        path = Path(name)
+        if not path.is_file():
+            continue
+        header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
+        found = [match.group(1).strip() for match in map(_SETUP.search, header) if match]
+        steps.extend(f"{path.name} needs its set-up step run first: {command}" for command in found)
+    return steps
 
 
 def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
