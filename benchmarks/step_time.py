@@ -8,7 +8,8 @@ most of a second. Both: a character vocabulary, ``sort_digits`` prompts, tempera
 (``old_logprobs="trainer"``: on-policy, the current ones detached), AdamW, float32, the ``positional_match``
 reward. A Lightning ``Trainer`` runs ``warmup + steps`` steps with the default loggers of ``gpo fit`` (CSV and
 TensorBoard, ``--log-every-n-steps``; ``--loggers none`` turns them off), no checkpoints and no progress bar; the
-``steps`` after the warm-up are measured.
+``steps`` after the warm-up are measured. Both sides run on the CPU, or on a CUDA GPU with ``--accelerator cuda``;
+there every timer first waits for the work queued on the GPU (``torch.cuda.synchronize``), on both sides.
 
 Measured per step:
 
@@ -27,18 +28,19 @@ Measured per step:
 * training tokens/s: prompt + completion tokens (attention-mask ones) per second of training time.
 
 The bare work runs on a fresh copy of the initial model, outside gpo and Lightning, right after each gpo step
-(outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the
-step's prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed,
-plus one ``model(input_ids, attention_mask, position_ids).logits -> log_softmax -> gather -> loss -> backward -> clip
-the gradient norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's
+(outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the step's
+prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed, plus one
+``model(input_ids, attention_mask, position_ids).logits -> log_softmax -> gather -> loss -> backward -> clip the
+gradient norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's
 settings ask for (the positions are those ``generate`` sampled at, which skip left padding). Its warm-up is gpo's
 warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
-arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the CPU generator
-seeded directly, in inference mode); the overhead, gpo step time / (bare generate + bare train), is reported against
-each over its own steps. Between the two, the bare work also does what any GRPO step does besides: it left-pads the
-batch's prompt token lists into tensors, marks the completion tokens up to the first EOS, decodes gpo's completions,
-scores them with ``positional_match`` and normalises the rewards within each group, whose advantages its loss uses:
-the overhead against that complete bare GRPO step (``generate`` as gpo calls it) is reported too.
+arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the sampling
+device's generator seeded directly, in inference mode); the overhead, gpo step time / (bare generate + bare train),
+is reported against each over its own steps. Between the two, the bare work also does what any GRPO step does
+besides: it left-pads the batch's prompt token lists into tensors, marks the completion tokens up to the first EOS,
+decodes gpo's completions, scores them with ``positional_match`` and normalises the rewards within each group, whose
+advantages its loss uses: the overhead against that complete bare GRPO step (``generate`` as gpo calls it) is
+reported too.
 
 Run from the repository root (1 torch thread by default; keep the other cores idle while it runs)::
 
@@ -47,6 +49,7 @@ Run from the repository root (1 torch thread by default; keep the other cores id
     python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
     python benchmarks/step_time.py --preset quickstart --stand-ins advantages scoring logging  # bare stand-ins
     python benchmarks/step_time.py --preset quickstart --with-callbacks  # DifficultyFilter and RolloutMonitor on
+    python benchmarks/step_time.py --preset quickstart --accelerator cuda  # both sides on the GPU
 
 See ``--help`` for the sizes, steps and threads.
 """
@@ -155,8 +158,9 @@ class Step:
 class BareWork:
     """The same work without gpo or Lightning, on a fresh copy of the initial model."""
 
-    def __init__(self, model_path: str, args: argparse.Namespace) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    def __init__(self, model_path: str, args: argparse.Namespace, device: torch.device) -> None:
+        self.device, self.clock = device, device_clock(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.group_size = args.group_size
@@ -174,18 +178,20 @@ class BareWork:
         return self._generate(step, lambda: torch.manual_seed(seed), **self.sampling)
 
     def generate_lean(self, step: Step, seed: int) -> tuple[float, int]:
-        """The same call as gpo's engine makes it: a generation config built once, the CPU generator seeded directly
-        (``torch.manual_seed`` also queues the seeding of devices that are not in use), in inference mode."""
-        seeding = lambda: torch.random.default_generator.manual_seed(seed)  # noqa: E731
+        """The same call as gpo's engine makes it: a generation config built once, the sampling device's generator
+        seeded directly (``torch.manual_seed`` also queues the seeding of devices that are not in use), in inference
+        mode."""
+        generator = torch.random.default_generator if self.device.type == "cpu" else torch.cuda.default_generators[0]
+        seeding = lambda: generator.manual_seed(seed)  # noqa: E731
         with torch.inference_mode():
             return self._generate(step, seeding, generation_config=self.generation_config)
 
     def _generate(self, step: Step, seeding: Callable[[], object], **settings: Any) -> tuple[float, int]:
-        started = time.perf_counter()
+        started = self.clock()
         self.model.eval()
         seeding()
         out = self.model.generate(input_ids=step.prompt_ids, attention_mask=step.prompt_mask, **settings)
-        return time.perf_counter() - started, out.shape[1] - step.prompt_ids.shape[1]
+        return self.clock() - started, out.shape[1] - step.prompt_ids.shape[1]
 
     def score(self, step: Step) -> tuple[float, Tensor]:
         """What any GRPO step does around sampling besides ``generate`` and training: left-pad the batch's token
@@ -194,20 +200,20 @@ class BareWork:
         function, and normalise the rewards within each group (GRPO's population standard deviation; a group
         without spread gets 0). The tensors are checked against the ones gpo built, outside the timer. Seconds,
         advantages ``[B, 1]``."""
-        started = time.perf_counter()
-        pad, eos, lists = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, step.prompt_lists
+        started = self.clock()
+        pad, eos, n = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, self.group_size
+        lists = step.prompt_lists
         width = max(map(len, lists))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in lists]).repeat_interleave(self.group_size, 0)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in lists]).repeat_interleave(
-            self.group_size, 0
-        )
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in lists]).repeat_interleave(n, 0).to(self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in lists]).repeat_interleave(n, 0)
+        mask = mask.to(self.device)
         is_eos = (step.completion_ids == eos).long()
         completion_mask = (is_eos.cumsum(1) - is_eos) == 0  # [B, T]: no EOS before this token
         completions = self.tokenizer.batch_decode(step.completion_ids.masked_fill(~completion_mask, pad),
                                                   skip_special_tokens=True)  # fmt: skip
-        rewards = torch.tensor(positional_match(step.prompts, completions, answer=step.answers))
+        rewards = torch.tensor(positional_match(step.prompts, completions, answer=step.answers), device=self.device)
         advantages = group_advantages(rewards, self.group_size)
-        elapsed = time.perf_counter() - started
+        elapsed = self.clock() - started
         same = torch.equal(ids, step.prompt_ids) and torch.equal(mask, step.prompt_mask)
         if not (same and torch.equal(completion_mask.long(), step.completion_mask)):
             raise AssertionError("the bare padding or completion mask differs from gpo's: not the same work")
@@ -218,7 +224,7 @@ class BareWork:
         log-softmax, gather, GRPO's policy-gradient loss (sequence means of the tokens, averaged), backward, gradient
         clipping at gpo's ``max_grad_norm`` (1.0) and an AdamW step on gpo's tensors, in train mode. Seconds of
         forward + loss, backward and optimiser."""
-        started = time.perf_counter()
+        started = self.clock()
         ids, mask, width = step.train_inputs  # built in the timed forward, as gpo builds its own
         targets, weights = ids[:, -width:], mask[:, -width:].float()
         self.model.train()
@@ -226,13 +232,13 @@ class BareWork:
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -width - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
         loss = -((logp * advantages * weights).sum(-1) / weights.sum(-1).clamp_min(1)).mean()
-        forward_end = time.perf_counter()
+        forward_end = self.clock()
         loss.backward()
-        backward_end = time.perf_counter()
+        backward_end = self.clock()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        end = time.perf_counter()
+        end = self.clock()
         return forward_end - started, backward_end - forward_end, end - backward_end
 
 
@@ -253,9 +259,11 @@ class StepRecorder(RolloutCallback):
     """
 
     def __init__(
-        self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool, stand_ins: list[str]
-    ) -> None:
+        self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool, stand_ins: list[str],
+        clock: Callable[[], float],
+    ) -> None:  # fmt: skip
         self.steps: list[Step] = []
+        self.clock = clock
         self.stand_ins = stand_ins
         self.bare, self.warmup, self.seed = bare, warmup, seed
         self.profiler = cProfile.Profile() if profile else None
@@ -267,11 +275,11 @@ class StepRecorder(RolloutCallback):
 
     def _timed(self, fn, key):
         def wrapper(*args, **kwargs):
-            started = time.perf_counter()
+            started = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.times[key] += time.perf_counter() - started
+                self.times[key] += self.clock() - started
 
         return wrapper
 
@@ -302,7 +310,7 @@ class StepRecorder(RolloutCallback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         logged, r, g = trainer.callback_metrics, self.rollout, pl_module.collector.group_size
         step = Step(
             wall_s=now - self.last_end if self.last_end is not None else float("nan"),
@@ -335,7 +343,7 @@ class StepRecorder(RolloutCallback):
         self.steps.append(step)
         if self.profiler is not None and trainer.global_step >= trainer.max_steps:
             self.profiler.disable()  # the last measured step is done (global_step counts optimiser steps)
-        self.last_end = time.perf_counter()  # the bookkeeping above is ours, not gpo's: start the next step here
+        self.last_end = self.clock()  # the bookkeeping above is ours, not gpo's: start the next step here
 
 
 def monitoring_callbacks(attach: bool) -> list[L.Callback]:
@@ -361,7 +369,8 @@ def put_stand_ins(module: GPOModule, parts: list[str]) -> None:
     if "scoring" in parts:
 
         def score(rollout: Rollout, errors: object) -> Rollout:
-            rollout.reward = torch.tensor(positional_match(rollout.prompts, rollout.completions, **rollout.fields))
+            rewards = positional_match(rollout.prompts, rollout.completions, **rollout.fields)
+            rollout.reward = torch.tensor(rewards, device=rollout.completion_ids.device)
             rollout.scores = rollout.reward[:, None]
             return rollout
 
@@ -395,11 +404,11 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         old_logprobs="trainer",  # on-policy: old log-probs = the current ones, detached (as TRL does)
         seed=args.seed,
     )
-    profile = args.profile is not None
-    bare = None if profile else BareWork(model_path, args)
-    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile, args.stand_ins)
+    profile, device = args.profile is not None, torch.device(args.accelerator)
+    bare = None if profile else BareWork(model_path, args, device)
+    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile, args.stand_ins, device_clock(device))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1,
         default_root_dir=root,  # anything the module writes at the end stays in the temporary folder
         max_steps=args.warmup + args.steps,  # one optimiser step per rollout batch here
@@ -414,6 +423,19 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
     if recorder.profiler is not None:
         print_profile(recorder.profiler, args.profile)
     return recorder.steps[args.warmup :]
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter``, read once the work queued on ``device`` is done: a CUDA call returns when its kernels
+    are launched, so a host clock alone would time the launches."""
+    if device.type == "cpu":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 def print_profile(profiler: cProfile.Profile, top: int) -> None:
@@ -525,6 +547,11 @@ def parse_args() -> argparse.Namespace:
         help=f"replace these parts of gpo's step by bare stand-ins ({', '.join(STAND_INS)}): how much could trimming "
         "them save?",
     )  # fmt: skip
+    parser.add_argument(
+        "--accelerator", choices=["cpu", "cuda"], default="cpu",
+        help="where gpo and the bare loop run (default: %(default)s); on cuda every timer waits for the GPU's queued "
+        "work first",
+    )  # fmt: skip
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="(default: %(default)s, the quickstart's)")
     parser.add_argument(
         "--with-callbacks", action="store_true",
@@ -532,6 +559,8 @@ def parse_args() -> argparse.Namespace:
         "what gpo's callbacks add to a step",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        parser.error("--accelerator cuda: torch sees no CUDA device here.")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")
     return args
@@ -553,6 +582,8 @@ def main() -> None:
         f"{transformers.__version__}, lightning {L.__version__}"
     )
     print(f"- torch threads: {torch.get_num_threads()}")
+    if args.accelerator == "cuda":
+        print(f"- device: {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
     print(
         f"- workload: tiny llama hidden {args.hidden_size}, {args.num_layers} layers, float32; sort_digits, "
         f"{args.prompts_per_step} prompts x {args.group_size} completions, max_new_tokens {args.max_new_tokens}, "
