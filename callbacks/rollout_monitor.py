@@ -244,17 +244,25 @@ def reward_stats(reward: Tensor, group: Tensor) -> dict[str, float]:
 
 def unique_ngram_ratio(ids: Tensor, mask: Tensor, group: Tensor, n: int) -> float:
     """Mean over groups of distinct / total ``n``-grams of token ids ``ids[B, T]`` where ``mask`` is 1; nan if no
-    group has an ``n``-gram (every completion shorter than ``n``)."""
+    group has an ``n``-gram (every completion shorter than ``n``).
+
+    Each n-gram gets an exact integer key of ``(group, id_1, ..., id_n)``, one token at a time: ``key * V + id_j``
+    (``V`` = the largest id + 1), ranked back into ``0..N-1`` after each token so that it cannot overflow. Equal keys
+    are equal n-grams of one group. ``torch.unique`` over 1-D keys, ``n + 1`` times, is several times faster than
+    over the rows of an ``[N, 1 + n]`` table (256 completions of 200 tokens: 3 ms instead of 26 ms)."""
     if ids.shape[1] < n:
         return float("nan")
-    _, index = torch.unique(group, return_inverse=True)  # [B]
-    windows = ids.unfold(1, n, 1)  # [B, W, n], W = T - n + 1
-    valid = mask.bool().unfold(1, n, 1).all(-1)  # [B, W]: the whole n-gram is completion tokens
-    tagged = torch.cat([index[:, None, None].expand(-1, windows.shape[1], 1), windows], -1)[valid]  # [N, 1 + n]
-    if tagged.numel() == 0:
+    _, index = torch.unique(group, return_inverse=True)  # [B]: 0..G-1
+    valid = mask.bool().unfold(1, n, 1).all(-1)  # [B, W], W = T - n + 1: the whole n-gram is completion tokens
+    grams = ids.unfold(1, n, 1)[valid]  # [N, n]
+    if grams.numel() == 0:
         return float("nan")
-    distinct = torch.unique(tagged, dim=0)[:, 0]  # [D]: the group of every distinct (group, n-gram)
+    owner = index[:, None].expand_as(valid)[valid]  # [N]: each n-gram's group
+    key, base = owner, int(ids.max()) + 1
+    for j in range(n):
+        distinct, key = torch.unique(key * base + grams[:, j], return_inverse=True)  # key in 0..D-1
+    distinct_owner = owner.new_empty(len(distinct)).scatter_(0, key, owner)  # [D]: every key's group
     groups = int(index.max()) + 1
-    total = torch.bincount(tagged[:, 0], minlength=groups).double()  # [G]
-    ratio = torch.bincount(distinct, minlength=groups).double() / total  # [G], nan where a group has none
+    total = torch.bincount(owner, minlength=groups).double()  # [G]
+    ratio = torch.bincount(distinct_owner, minlength=groups).double() / total  # [G], nan where a group has none
     return float(ratio[total > 0].mean())

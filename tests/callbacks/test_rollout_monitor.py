@@ -264,3 +264,32 @@ def test_monitors_a_real_run_and_saves_its_state(tiny_assets, tmp_path):
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
     state = next(v for k, v in saved.items() if k.startswith("RolloutMonitor"))
     assert state["steps"] == 3 and state["peaks"]["entropy"] > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_unique_ngram_ratio_matches_sets_of_tuples(n):
+    """Random completions with a 150k vocabulary, holes in the mask and scattered group ids, against the ratio
+    counted with Python sets."""
+    generator = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 150_000, (24, 12), generator=generator)
+    ids[::3] = ids[::3] % 4  # some rows from 4 tokens: repeats within and across completions
+    ids[1] = ids[0]  # a completion copied inside its group
+    mask = (torch.rand(24, 12, generator=generator) > 0.15).long()
+    group = torch.tensor([40, 7, 7, 40, 1000, 3] * 4)
+    ratios = []
+    for g in group.unique().tolist():
+        grams = [
+            tuple(row[i : i + n])
+            for row, keep in zip(ids[group == g].tolist(), mask[group == g].tolist(), strict=True)
+            for i in range(12 - n + 1)
+            if all(keep[i : i + n])
+        ]
+        if grams:
+            ratios.append(len(set(grams)) / len(grams))
+    assert unique_ngram_ratio(ids, mask, group, n) == pytest.approx(sum(ratios) / len(ratios), rel=1e-12)
+
+
+def test_unique_ngram_ratio_keeps_bigrams_apart_whose_keys_a_base_too_small_would_merge():
+    """(0, M) and (1, 0) with M the largest id: a key ``first * M + second`` would make them equal."""
+    ids, mask, group = torch.tensor([[0, 150_000], [1, 0]]), torch.ones(2, 2), torch.tensor([5, 5])
+    assert unique_ngram_ratio(ids, mask, group, 2) == 1.0
