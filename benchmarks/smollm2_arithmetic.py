@@ -140,14 +140,14 @@ def train(args: argparse.Namespace) -> None:
 
 
 def floor(args: argparse.Namespace) -> None:
-    """Bare generate + LoRA forward/backward (full log-softmax) + reference pass + AdamW, per step."""
+    """Bare generate + LoRA forward/backward (full log-softmax) + reference pass + fused AdamW (as gpo), per step."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     module, data = build(None, args.prompts, args.prompts, args.threads)
     tokenizer, sampling = module.tokenizer, module.engine.sampling
     model = get_peft_model(module.model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     batch = next(iter(data.val_dataloader()))
     from gpo.rollout.hf import left_pad
 

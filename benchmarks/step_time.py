@@ -31,7 +31,7 @@ The bare work runs on a fresh copy of the initial model, outside gpo and Lightni
 (outside that step's timed interval, so both see the same machine load): one ``model.generate(...)`` on the step's
 prompts (already repeated ``group_size`` times) with the same sampling settings, in eval mode from a seed, plus one
 ``model(input_ids, attention_mask, position_ids).logits -> log_softmax -> gather -> loss -> backward -> clip the
-gradient norm at 1.0 -> AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's
+gradient norm at 1.0 -> fused AdamW step`` in train mode on the exact token tensors gpo trained on: the work gpo's
 settings ask for (the positions are those ``generate`` sampled at, which skip left padding). Its warm-up is gpo's
 warm-up steps. The ``generate`` call takes two forms on alternate steps: hand-written (sampling settings as keyword
 arguments, ``torch.manual_seed``) and as gpo's engine makes it (a generation config built once, the sampling
@@ -162,7 +162,7 @@ class BareWork:
         self.device, self.clock = device, device_clock(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, fused=True)  # as gpo builds it
         self.group_size = args.group_size
         self.sampling = {
             "max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,

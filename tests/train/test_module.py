@@ -103,6 +103,28 @@ def test_optimization_settings_are_validated():
         Optimization(lr=0)
 
 
+def test_the_optimiser_is_fused_adamw_with_the_reference_update():
+    """Three steps of ``Optimization.build``'s optimiser equal torch's reference (per-parameter) AdamW in float64,
+    weight decay and the learning-rate schedule's warm-up included."""
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=generator, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
+    grads = [[torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in start] for _ in range(3)]
+    optim = Optimization(lr=0.05, weight_decay=0.1, warmup_steps=2)
+    ours = [torch.nn.Parameter(p.clone()) for p in start]
+    reference = [torch.nn.Parameter(p.clone()) for p in start]
+    optimizer, scheduler = optim.build(ours, None)
+    assert optimizer.defaults["fused"]
+    expected = torch.optim.AdamW(reference, lr=0.05, weight_decay=0.1, foreach=False)
+    for step, step_grads in enumerate(grads):
+        for ours_p, reference_p, grad in zip(ours, reference, step_grads, strict=True):
+            ours_p.grad, reference_p.grad = grad.clone(), grad.clone()
+        expected.param_groups[0]["lr"] = 0.05 * optim.lr_factor(step, None)
+        optimizer.step(), scheduler.step(), expected.step()
+    for ours_p, reference_p in zip(ours, reference, strict=True):
+        torch.testing.assert_close(ours_p, reference_p, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(ours_p, start[0] if ours_p.ndim == 2 else start[1])  # it moved
+
+
 def test_python_api_with_loaded_model_and_tokenizer(workspace):
     from gpo.testing import char_tokenizer, tiny_model
 
