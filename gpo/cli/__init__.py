@@ -96,9 +96,10 @@ def run(argv: list[str] | None = None) -> None:
         if not is_user_error(error) or os.environ.get("GPO_TRACEBACK"):
             raise
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
-        text = explain(str(error), config_files(args), known_groups())
+        files = config_files(args)
+        text = explain(str(error), files, known_groups())
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
-            text = "\n".join([text, *setup_steps(config_files(args))])
+            text = "\n".join([text, *setup_steps(files)])
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists the settings)",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
