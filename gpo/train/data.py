@@ -4,6 +4,7 @@ batches of prompts."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ _TEXT_FILES = (".jsonl", ".json", ".csv")
 def load_records(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a local JSONL/JSON/Parquet/CSV file, or of a folder saved with ``datasets``' ``save_to_disk``."""
     import datasets  # imported here: loading takes a second and only data setup needs it
+    import pyarrow
 
     path = Path(path)
     if not path.exists():
@@ -49,7 +51,28 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
         return []
     if path.suffix.lower() in _TEXT_FILES:
         require_utf8(path)
-    return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+    try:
+        return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as err:
+        raise ValueError(f"{path} could not be read: {unreadable_reason(path, err)}") from None
+
+
+def unreadable_reason(path: Path, error: BaseException) -> str:
+    """Why ``datasets`` could not read ``path``, in one line: for a JSONL file, its first line that is not one JSON
+    value (found by reading the file again, only once loading has failed); otherwise the innermost error's text
+    (``datasets`` wraps the parser's error in a generic one)."""
+    if path.suffix.lower() == ".jsonl":
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    json.loads(line) if line.strip() else None
+                except json.JSONDecodeError as err:
+                    return (
+                        f"line {number}, column {err.colno} is not valid JSON: {err.msg}; each line holds one object."
+                    )
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def require_utf8(path: Path) -> None:

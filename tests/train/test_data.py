@@ -142,6 +142,39 @@ def test_a_generated_task_is_written_in_yaml_and_its_errors_name_the_field(tmp_p
     assert plain.path == "prompts.jsonl"  # a file path stays a path
 
 
+# ---- a file the parser cannot read: one line naming the file and what is wrong, not datasets' traceback -----------
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        (
+            "prompts.jsonl",
+            '{"prompt": "ok"}\n\n{"prompt": "ok"}\n{"prompt": "cut\n',
+            r"line 4, column 16 is not valid JSON",
+        ),
+        (
+            "prompts.jsonl",
+            '{"prompt": "ok"}\n{"prompt": ok}\n',
+            r"line 2, column 12 is not valid JSON: Expecting value",
+        ),
+        ("prompts.json", '[{"prompt": "ok"}, {"prompt": ', r"Expected object or value at position 29"),
+        (
+            "prompts.csv",
+            "prompt,answer\nok,1\nok,1,2\n",
+            r"Error tokenizing data. C error: Expected 2 fields in line 3, saw 3",
+        ),
+        ("prompts.parquet", "not a parquet file\n", r"Parquet magic bytes not found"),
+    ],
+)
+def test_a_file_that_does_not_parse_is_refused_in_one_line(tmp_path, tokenizer_path, name, content, reason):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"^data.path: {path} could not be read: {reason}") as raised:
+        PromptDataModule(str(path), tokenizer=tokenizer_path).setup("fit")
+    assert "\n" not in str(raised.value)
+
+
 # ---- encodings: a prompts file that is not UTF-8 is named with its line -------------------------------------------
 
 
