@@ -162,6 +162,19 @@ def test_a_missing_model_or_data_file_names_the_configs_set_up_step(root, tmp_pa
     assert "data.path" in err and setup in err, err
 
 
+def test_a_mistyped_path_after_the_set_up_gets_the_closest_file_and_no_set_up_hint(root, tmp_path, capsys, monkeypatch):
+    from gpo.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/tiny").mkdir(parents=True)  # what quickstart.yaml's set-up step, gpo tiny runs/tiny, writes
+    (tmp_path / "runs/tiny/train.jsonl").write_text((root / "train.jsonl").read_text())
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", "quickstart", f"--model.policy={root / 'model'}", "--data.path=runs/tiny/trian.jsonl"])
+    err = capsys.readouterr().err
+    assert "data path 'runs/tiny/trian.jsonl' does not exist; did you mean 'runs/tiny/train.jsonl'?" in err, err
+    assert "set-up" not in err, err
+
+
 def test_a_misspelt_setting_gets_no_set_up_hint(root, capsys):
     from gpo.cli import run
 

@@ -135,8 +135,10 @@ def test_config_finds_a_shipped_config_by_name_unless_a_local_file_has_it(tmp_pa
     ]  # fmt: skip
     (tmp_path / "dapo.yaml").write_text("model: {group_size: 4}\n")  # the working directory (tests/conftest.py)
     assert with_shipped_configs(["--config", "dapo.yaml"]) == ["--config", "dapo.yaml"]
-    inline, folder = '{"model": {"group_size": 4}}', "no_such_folder/quickstart.yaml"
-    assert with_shipped_configs(["--config", inline, "--config", folder]) == ["--config", inline, "--config", folder]
+    inline = '{"model": {"group_size": 4}}'
+    assert with_shipped_configs(["--config", inline]) == ["--config", inline]
+    with pytest.raises(FileNotFoundError, match=r"^--config no_such_folder/quickstart.yaml: no such file"):
+        with_shipped_configs(["--config", "no_such_folder/quickstart.yaml"])  # a path is never a shipped name
 
 
 def test_fit_reads_a_shipped_config_by_name(capsys):
@@ -169,6 +171,82 @@ def test_a_misspelt_nested_key_in_a_yaml_file_is_named_with_its_file_and_the_clo
     err = capsys.readouterr().err
     assert "model.engine.init_args.sampling (Sampling) has no setting 'max_new_token'" in err, err
     assert f"(set in {bad})" in err and "did you mean model.engine.init_args.sampling.max_new_tokens?" in err, err
+
+
+# ---- wrong values, broken files and missing settings: the key, the file, the fix --------------------------------
+
+
+def fit_error(capsys, *args: str) -> str:
+    """What ``gpo fit --config quickstart ARGS`` prints when it is refused at parsing (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", "quickstart", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    return err[err.index("gpo fit: error: ") :]
+
+
+def test_a_wrong_value_names_the_key_the_expected_type_and_its_file(tmp_path, capsys):
+    bad = tmp_path / "fast.yaml"
+    bad.write_text("model:\n  optim:\n    lr: fast\n")
+    err = fit_error(capsys, "--config", str(bad))
+    assert err.startswith(f"gpo fit: error: model.optim.lr: Expected a float. Got value: fast\n(set in {bad})\n"), err
+    err = fit_error(capsys, "--model.optim.lr", "fast")  # quickstart.yaml sets lr too, but not to this value
+    assert err.startswith("gpo fit: error: model.optim.lr: Expected a float. Got value: fast\n(GPO_TRACEBACK"), err
+    err = fit_error(capsys, "--model.engine.sampling.temperature", "hot")
+    assert err.startswith("gpo fit: error: model.engine.sampling.temperature: Expected a float. Got value: hot"), err
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("model:\n  group_size: [4\n", "is not valid YAML: while parsing a flow sequence at line 2, column 15: "
+         "expected ',' or ']', but got '<stream end>' at line 3, column 1."),
+        ("model:\n\tgroup_size: 4\n", "is not valid YAML: while scanning for the next token: found character '\\t' "
+         "that cannot start any token at line 2, column 1."),
+    ],
+    ids=["unclosed", "tab"],
+)  # fmt: skip
+def test_a_config_that_is_not_yaml_is_named_with_the_line(tmp_path, capsys, content, says):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(content)
+    assert fit_error(capsys, "--config", str(bad)).startswith(f"gpo fit: error: {bad} {says}\n")
+
+
+def test_a_misspelt_group_a_missing_config_and_an_abbreviated_key_are_refused_with_the_fix(tmp_path, capsys):
+    bad = tmp_path / "top.yaml"
+    bad.write_text("modle:\n  group_size: 4\n")
+    err = fit_error(capsys, "--config", str(bad))
+    assert "unknown setting modle.group_size\n" in err and "did you mean model.group_size?" in err, err
+    err = fit_error(capsys, "--trainer.max_step", "5")  # argparse would take it for --trainer.max_steps
+    assert "unknown setting trainer.max_step\ndid you mean trainer.max_steps?" in err, err
+    err = fit_error(capsys, "--config", str(CONFIGS / "quickstrat.yaml"))
+    assert f"--config {CONFIGS / 'quickstrat.yaml'}: no such file; did you mean {CONFIGS / 'quickstart.yaml'}?" in err
+    err = fit_error(capsys, "--config", str(tmp_path / "nowhere" / "x.yaml"))
+    assert f"no such file (no folder {tmp_path / 'nowhere'}); a shipped config can also be given by name" in err, err
+    with pytest.raises(SystemExit):
+        run(["fit"])
+    err = capsys.readouterr().err
+    assert "gpo fit: error: model.policy is not set: give a config (--config quickstart, or a YAML file)" in err, err
+
+
+def test_a_preset_name_with_settings_or_a_misspelt_preset_class_says_what_to_write(tmp_path, capsys):
+    err = fit_error(capsys, "--model.algorithm", "dapo", "--model.algorithm.clip_high=0.3")
+    says = "dapo is a preset by name, with its defaults; to change a setting choose its class: --model.algorithm DAPO "
+    assert says + "--model.algorithm.clip_high VALUE (or class_path: DAPO in YAML)." in err, err
+    bad = tmp_path / "class.yaml"
+    bad.write_text("model:\n  algorithm:\n    class_path: DAPOO\n")
+    err = fit_error(capsys, "--config", str(bad))
+    assert f"Expected a dot import path string: DAPOO\n(set in {bad})\ndid you mean DAPO?" in err, err
+
+
+def test_usage_names_the_gpo_command_however_it_was_started():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gpo.cli", "fit", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: gpo [options] fit "), done.stdout[:300]
 
 
 # ---- progress bar ----------------------------------------------------------------------------------------------

@@ -68,6 +68,10 @@ _NOT_ACCEPTED = re.compile(
     r"Problem with given class_path '([\w.]+)':\s*(?:Option '(\w+)' is not accepted|unrecognized arguments: --(\w+))"
 )
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
+_CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+_IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
+_YAML_PROBLEM = "Problems parsing config"
+_GOT_VALUE = re.compile(r"Got value: (.*)$", re.MULTILINE)
 #: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
 
@@ -79,25 +83,31 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     (``model.optim``) to the class or dataclass whose parameters are its valid sub-keys. A message that is not
     jsonargparse's (gpo's own checks say what to do already) is returned as it is."""
     moved = [f"{old} moved: use {new}." for old, new in MOVED_PATHS.items() if old.lower() in message.lower()]
+    if message.startswith(_YAML_PROBLEM):
+        return _yaml_problem(message, config_files)
     if not any(marker in message for marker in JSONARGPARSE_MARKERS):
         return "\n".join([message, *moved])
     key, problem, unknown = _key_and_problem(message)
     lines = [problem]
+    rejected_value = None if unknown else _GOT_VALUE.search(message)
+    source = _file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
+    if source is not None:
+        lines.append(f"(set in {source})")
+    known = dict(known or {})
     if unknown:
-        source = _file_holding(key, config_files)
-        if source is not None:
-            lines.append(f"(set in {source})")
-        known = dict(known or {})
         rejected = _NOT_ACCEPTED.search(message)
         if rejected:  # a class chosen by class_path: its own constructor says what it takes
             known[key.rpartition(".init_args.")[0]] = _import(rejected.group(1))
         lines.extend(_hints(key, known))
+    if key is not None and key.startswith("model.algorithm"):
+        lines.extend(_algorithm_hints(message))
     return "\n".join([*lines, *moved])
 
 
 def setup_steps(config_files: Iterable[str]) -> list[str]:
-    """What the header comments of ``config_files`` say to run first (``# Set up ...:  COMMAND``), one line each: a
-    model or data file that is missing usually means that step was not run."""
+    """What the header comments of ``config_files`` say to run first (``# Set up ...:  COMMAND``), one line each, for
+    the steps not run yet here: a model or data file that is missing usually means that step was not run. A step
+    whose output folders (its arguments with a ``/``) all exist has been run: the path is mistyped instead."""
     steps = []
     for name in config_files:
         path = Path(name)
@@ -105,8 +115,16 @@ def setup_steps(config_files: Iterable[str]) -> list[str]:
             continue
         header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
         found = [match.group(1).strip() for match in map(_SETUP.search, header) if match]
-        steps.extend(f"{path.name} needs its set-up step run first: {command}" for command in found)
+        steps.extend(
+            f"{path.name} needs its set-up step run first: {command}" for command in found if not _ran(command)
+        )
     return steps
+
+
+def _ran(command: str) -> bool:
+    """Whether every folder ``command`` names (its words with a ``/`` that are not options) exists here."""
+    outputs = [word for word in command.split() if "/" in word and not word.startswith("-")]
+    return bool(outputs) and all(Path(word).exists() for word in outputs)
 
 
 def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
@@ -122,20 +140,63 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
         key = unknown.group(1) or unknown.group(2)
         return key, f"unknown setting {key}", True
     nested = _NESTED.search(message)
-    if group and nested:
+    if group and nested and nested.group(1) not in _PARSER_KEY.findall(message):  # not a bad value of a known key
         return f"{group}.{nested.group(1)}", f"unknown setting {group}.{nested.group(1)}", True
+    if group is None:
+        return None, _first_reason(message), False
+    shown = group.replace(".init_args.", ".")  # as it is written on the command line
+    if message.rstrip().endswith("Given value: None"):
+        return group, f"{shown} is not set: give a config (--config quickstart, or a YAML file) or --{shown}", False
     reason = _first_reason(message)
-    return group, reason if group is None or reason.startswith(group) else f"{group}: {reason}", False
+    return group, reason if reason.startswith(group) else f"{shown}: {reason}", False
 
 
 def _first_reason(message: str) -> str:
     """The most specific line of jsonargparse's account (the innermost problem, not the union's preamble)."""
     noise = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
-             'Parser key "', "Expected a <class 'NoneType'>")  # fmt: skip
+             'Parser key "', "Expected a <class 'NoneType'>", "Problem with given class_path")  # fmt: skip
     reasons = [
         line.strip(" -") for line in message.splitlines() if line.strip() and not line.strip(" -").startswith(noise)
     ]
-    return (reasons or [message.strip()])[0]
+    return _CLASS.sub(r"\1", (reasons or [message.strip()])[0])
+
+
+def _yaml_problem(message: str, config_files: Iterable[str]) -> str:
+    """A config file that is not valid YAML: the file, the line and column, and what the YAML parser expected
+    (jsonargparse's message names no file)."""
+    for name in config_files:
+        try:
+            yaml.safe_load(Path(name).read_text())
+        except OSError:
+            continue
+        except yaml.MarkedYAMLError as err:
+            parts = [_at(err.context, err.context_mark), _at(err.problem, err.problem_mark)]
+            return f"{name} is not valid YAML: {': '.join(part for part in parts if part)}."
+    return message
+
+
+def _at(text: str | None, mark: yaml.Mark | None) -> str:
+    """``text at line L, column C`` (1-based); nothing when the YAML parser gave no text."""
+    return f"{text} at line {mark.line + 1}, column {mark.column + 1}" if text and mark is not None else text or ""
+
+
+def _algorithm_hints(message: str) -> list[str]:
+    """``model.algorithm`` given as a name with settings of its own (a name takes none), or a class that does not
+    exist: the class to write instead."""
+    from gpo.algo.presets import ALGORITHMS, PRESETS
+
+    named = _IMPORT_PATH.search(message)
+    if named is None:
+        return []
+    name, nested = named.group(1), _NESTED.search(message)
+    if name in ALGORITHMS and nested:
+        cls = ALGORITHMS[name].__name__
+        return [
+            f"{name} is a preset by name, with its defaults; to change a setting choose its class: "
+            f"--model.algorithm {cls} --model.algorithm.{nested.group(1)} VALUE (or class_path: {cls} in YAML)."
+        ]
+    close = difflib.get_close_matches(name, [cls.__name__ for cls in PRESETS], n=1)
+    return [f"did you mean {close[0]}?"] if close else []
 
 
 def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
@@ -149,6 +210,9 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
     if group.endswith(".init_args"):
         group = group.removesuffix(".init_args")
     owner = known.get(group)
+    if owner is None and "." not in group:  # a misspelt top-level group: modle.group_size
+        close = difflib.get_close_matches(group, sorted({k.split(".")[0] for k in known}), n=1)
+        return [f"did you mean {close[0]}.{name}?"] if close else []
     choices = _parameters(owner) if owner is not None else []
     close = difflib.get_close_matches(name, choices, n=1)
     if close:
@@ -173,25 +237,32 @@ def _parameters(owner: Any) -> list[str]:
     return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
 
 
-def _file_holding(key: str, config_files: Iterable[str]) -> str | None:
-    """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message."""
+def _file_holding(key: str, config_files: Iterable[str], value: str | None = None) -> str | None:
+    """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message; with ``value``
+    (the rejected value as jsonargparse prints it), only a file that sets it to that value."""
     found = None
     for name in config_files:
         try:
             tree = yaml.safe_load(Path(name).read_text()) or {}
         except (OSError, yaml.YAMLError):
             continue
-        if _sets(tree, key.replace(".init_args.", ".").split(".")) or _sets(tree, key.split(".")):
-            found = name
+        for parts in (key.replace(".init_args.", ".").split("."), key.split(".")):
+            held = _lookup(tree, parts)
+            if held is not _MISSING and (value is None or str(held) == value):
+                found = name
     return found
 
 
-def _sets(tree: Any, parts: list[str]) -> bool:
+_MISSING = object()
+
+
+def _lookup(tree: Any, parts: list[str]) -> Any:
+    """The value ``tree`` holds at ``parts`` (through ``init_args`` where a class was chosen), or ``_MISSING``."""
     for index, part in enumerate(parts):
         if not isinstance(tree, dict):
-            return False
+            return _MISSING
         if part not in tree:
             init_args = tree.get("init_args")
-            return isinstance(init_args, dict) and _sets(init_args, parts[index:])
+            return _lookup(init_args, parts[index:]) if isinstance(init_args, dict) else _MISSING
         tree = tree[part]
-    return True
+    return tree

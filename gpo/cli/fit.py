@@ -45,6 +45,7 @@ class GPOCLI(LightningCLI):
     def init_parser(self, **kwargs):
         kwargs.setdefault("exit_on_error", False)  # errors are raised, and gpo.cli.run prints them short
         kwargs.setdefault("formatter_class", helptext.HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # --trainer.max_step is a mistake, not --trainer.max_steps
         parser = super().init_parser(**kwargs)
         helptext.describe_config(parser)
         return parser
@@ -52,6 +53,7 @@ class GPOCLI(LightningCLI):
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         for name, line in helptext.SUBCOMMANDS.items():
             subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
+        main_kwargs.setdefault("prog", "gpo")  # not python -m gpo.cli's __main__.py
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
 
     def parse_arguments(self, parser, args) -> None:

@@ -77,7 +77,7 @@ def epilog(parser: ArgumentParser) -> str:
 
     nested = [flag for action in parser._actions for flag in action.option_strings if _nested_help(flag)]
     names = ", ".join(presets.ALGORITHMS)
-    classes = [presets.Custom, *(cls for cls in _preset_classes() if cls is not presets.Custom)]
+    classes = [presets.Custom, *presets.PRESETS]
     return "\n".join(
         [
             "Algorithms (model.algorithm):",
@@ -107,14 +107,6 @@ def epilog(parser: ArgumentParser) -> str:
 def _nested_help(flag: str) -> bool:
     """A ``--model.X.help`` / ``--data.X.help`` flag: the help of a nested group or class (not the trainer's)."""
     return flag.endswith(".help") and flag.startswith(("--model.", "--data."))
-
-
-def _preset_classes() -> list[type]:
-    from gpo.algo import presets
-
-    exported = (getattr(presets, name) for name in presets.__all__)
-    return [obj for obj in exported if isinstance(obj, type) and issubclass(obj, presets.Algorithm)
-            and obj is not presets.Algorithm]  # fmt: skip
 
 
 def _wrap(text: str, width: int = 100) -> str:

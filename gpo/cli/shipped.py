@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 #: A ``--config`` value that may name a shipped config: no folder part, not inline YAML or JSON.
 _BARE_NAME = re.compile(r"[\w.-]+")
+#: A ``--config`` value that is a file's path, not inline YAML or JSON.
+_PATH = re.compile(r"[\w./~-]+")
 _CONFIG_FLAGS = ("--config", "-c")
 
 
@@ -28,8 +30,10 @@ def shipped_configs() -> dict[str, Path]:
 def config_path(value: str) -> str:
     """The file a ``--config`` value names: ``value`` itself when it is a file here, inline YAML or a path with a
     folder part (jsonargparse reports those), else the shipped config of that name, with or without ``.yaml``."""
-    if Path(value).is_file() or not _BARE_NAME.fullmatch(value):
+    if Path(value).is_file() or not _PATH.fullmatch(value):
         return value
+    if not _BARE_NAME.fullmatch(value):  # a path with a folder part that names no file
+        return _missing_file(Path(value))
     shipped = shipped_configs()
     name = value.removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
@@ -39,6 +43,18 @@ def config_path(value: str) -> str:
     raise FileNotFoundError(
         f"--config {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
         f"or one of: {', '.join(shipped)}."
+    )
+
+
+def _missing_file(path: Path) -> str:
+    """Refuse a ``--config`` path that names no file, with the closest YAML file of its folder."""
+    siblings = sorted(p.name for p in path.parent.glob("*.y*ml")) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, siblings, n=1)
+    guess = f"did you mean {path.parent / close[0]}? " if close else ""
+    where = "" if path.parent.is_dir() else f" (no folder {path.parent})"
+    raise FileNotFoundError(
+        f"--config {path}: no such file{where}; {guess}a shipped config can also be given by name, e.g. --config "
+        "quickstart (gpo fit --help lists them)."
     )
 
 

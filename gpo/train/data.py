@@ -3,6 +3,7 @@ batches of prompts."""
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import logging
@@ -36,7 +37,12 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data path {str(path)!r} does not exist; give a .jsonl/.json/.parquet/.csv file.")
+        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, siblings, n=1)
+        guess = f"did you mean {str(path.parent / close[0])!r}? Otherwise " if close else ""
+        raise FileNotFoundError(
+            f"data path {str(path)!r} does not exist; {guess}give a .jsonl/.json/.parquet/.csv file."
+        )
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):

@@ -32,7 +32,7 @@ class Evaluation:
         temperature: sampling temperature of the evaluation; None: the rollout engine's.
         top_p: nucleus mass of the evaluation; None: the rollout engine's.
         pass_threshold: reward at or above which a completion counts as solved.
-        seeds: sampling seeds; the sampled metrics are their mean (seed 004's ``evaluation.seeds``).
+        seeds: sampling seeds; the sampled metrics are their mean.
     """
 
     samples: int = 4

@@ -48,14 +48,15 @@ class GPOModule(RolloutSource, LightningModule):
         rewards: reward functions ``(prompts, completions, **columns) -> list[float]`` (import paths in YAML).
         engine: the rollout engine, e.g. ``gpo.rollout.HFEngine`` (transformers ``generate``; ``gpo fit``'s default).
         algorithm: a preset by class with its settings (``GRPO``, ``DAPO``, ... in ``gpo.algo``; ``Custom`` for any
-            three parts), or by seed 000's lowercase name for its defaults: grpo, rloo, reinforce_pp, dr_grpo, dapo,
-            cispo, gspo, sapo, gmpo, rspo, vespo.
+            three parts), or by lowercase name for its defaults: grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo,
+            gspo, sapo, gmpo, rspo, vespo, maxrl, gopo (``DPPO`` and ``DRO`` have a setting without a default).
         group_size: completions per prompt (>= 2).
         mixer: combines several rewards into one; default: their sum.
         optim: learning rate, minibatches, epochs, micro-batching, gradient clipping.
         old_logprobs: the old-policy log-probs from the ``rollout`` engine, or recomputed by the ``trainer`` before
             the first update of the step.
-        ppo_clip_ref_logprobs: seed 000's name for ``old_logprobs`` (``batch`` means ``trainer``); set one of them.
+        ppo_clip_ref_logprobs: ``old_logprobs`` under its name in flat GRPO configs (``batch`` means ``trainer``);
+            set one of the two.
         kl: KL penalty towards the initial policy (a frozen reference copy, or the LoRA adapter switched off).
         entropy: entropy bonus.
         token_weights: per-token weights of the objective: ``OverlongFilter`` (DAPO's overlong filtering),

@@ -12,6 +12,7 @@ from gpo.algo import (
     GOPO,
     GRPO,
     GSPO,
+    PRESETS,
     RLOO,
     RSPO,
     SAPO,
@@ -54,6 +55,8 @@ EXPECTED_PARTS = {
     "gmpo": (GroupNormAdvantage, GeometricMeanGate, SequenceMean),
     "rspo": (GroupNormAdvantage, RouterShiftGate, SequenceMean),
     "vespo": (GroupNormAdvantage, VESPOGate, TokenMean),
+    "maxrl": (MeanScaledAdvantage, NoGate, SequenceMean),
+    "gopo": (RankAdvantage, ClipGate, SequenceMean),
 }
 
 
@@ -144,9 +147,41 @@ def test_custom_combines_any_parts_without_rules():
         (lambda: DPPO(mode="tv", threshold=0.1), "'binary_tv', 'binary_kl', 'topk_tv', 'topk_kl'"),
         (lambda: MaxRL(eps=-1), "eps=-1"),
         (lambda: VESPO(advantage_norm="global"), "'group' or 'batch'"),
-        (lambda: preset("maxrl"), "vespo"),
+        (lambda: preset("dro"), "DRO has no default for beta"),
     ],
 )
 def test_invalid_configurations_fail_at_construction_with_the_fix(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("dapoo", r"'dapoo' is not known; did you mean dapo\? choose a name for a preset's defaults \(grpo, .*gopo\), "
+         r"a preset class to change its settings \(GRPO, .*DPPO, DRO\), or Custom"),
+        ("Dapo", r"did you mean dapo\?"),
+        ("DAPOO", r"did you mean DAPO\?"),
+        ("dro", r"'dro': DRO has no default for beta; choose it by class with its settings: algorithm: "
+         r"\{class_path: DRO, init_args: \{beta: ...\}\} \(configs/dro.yaml has one\)"),
+        ("dppo", r"DPPO has no default for threshold"),
+        ("zzz", r"'zzz' is not known; choose a name"),
+    ],
+)  # fmt: skip
+def test_an_unknown_or_incomplete_name_is_refused_with_what_to_write(name, says):
+    with pytest.raises(ValueError, match=rf"^model.algorithm={says}" if says.startswith("'") else says):
+        preset(name)
+
+
+def test_every_preset_class_is_listed_and_every_defaulted_one_has_a_name():
+    import inspect
+
+    from gpo.algo import Algorithm, Custom, presets
+
+    classes = {obj for obj in vars(presets).values() if isinstance(obj, type) and issubclass(obj, Algorithm)}
+    assert set(PRESETS) == classes - {Algorithm, Custom}
+    defaulted = {
+        cls for cls in PRESETS if all(p.default is not p.empty for p in inspect.signature(cls).parameters.values())
+    }
+    assert set(ALGORITHMS.values()) == defaulted
+    assert all(name == cls.__name__.lower() or cls in (ReinforcePP, DrGRPO) for name, cls in ALGORITHMS.items())

@@ -4,16 +4,20 @@ A preset takes the settings its paper gives it (under seed 000's names where it 
 own, builds its parts from them, and refuses the combinations the papers rule out with a message that says what to
 change. There is no shared bag of settings: a preset has only the arguments it reads. ``Custom`` composes any three
 parts freely. In YAML a preset is chosen by class (``algorithm: DAPO``, with ``init_args`` to change its settings) or
-by the seed's lowercase name for its defaults (``algorithm: dapo``).
+by its lowercase name for its defaults (``algorithm: dapo``).
 """
 
 from __future__ import annotations
+
+import difflib
+import inspect
 
 from gpo.algo.presets.base import Algorithm, Custom, Parts, PPOClip
 from gpo.algo.presets.policy_gradient import GRPO, RLOO, DrGRPO, MaxRL, ReinforcePP
 from gpo.algo.presets.trust_region import CISPO, DAPO, DPPO, DRO, GMPO, GOPO, GSPO, RSPO, SAPO, VESPO
 
-#: The presets by the seeds' lowercase names (seed 000's ``algorithm``, seed 002's TRL ``loss_type``), with defaults.
+#: The presets that have a default for every setting, by lowercase name (seed 000's ``algorithm`` and seed 002's TRL
+#: ``loss_type`` where they name one): ``algorithm: dapo`` is ``DAPO()``.
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "grpo": GRPO,
     "rloo": RLOO,
@@ -26,20 +30,36 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "gmpo": GMPO,
     "rspo": RSPO,
     "vespo": VESPO,
+    "maxrl": MaxRL,
+    "gopo": GOPO,
 }
+#: Every preset class, for ``model.algorithm: CLASS`` (those with a required setting, too).
+PRESETS: tuple[type[Algorithm], ...] = (*ALGORITHMS.values(), DPPO, DRO)
 
 
 def preset(algorithm: Algorithm | str) -> Algorithm:
     """``algorithm`` itself, or the preset of that lowercase name with its defaults."""
     if isinstance(algorithm, Algorithm):
         return algorithm
-    if algorithm not in ALGORITHMS:
-        classes = ", ".join(cls.__name__ for cls in ALGORITHMS.values())
+    if algorithm in ALGORITHMS:
+        return ALGORITHMS[algorithm]()
+    needs = {cls.__name__.lower(): cls for cls in PRESETS if cls.__name__.lower() not in ALGORITHMS}
+    if algorithm.lower() in needs:
+        cls = needs[algorithm.lower()]
+        required = [p.name for p in inspect.signature(cls).parameters.values() if p.default is p.empty]
         raise ValueError(
-            f"model.algorithm={algorithm!r} is not known; choose one of {', '.join(ALGORITHMS)} (the presets with "
-            f"their defaults), a preset class ({classes}) to change its settings, or Custom to combine parts."
+            f"model.algorithm={algorithm!r}: {cls.__name__} has no default for {', '.join(required)}; choose it by "
+            f"class with its settings: algorithm: {{class_path: {cls.__name__}, init_args: {{{required[0]}: ...}}}} "
+            f"(configs/{algorithm.lower()}.yaml has one)."
         )
-    return ALGORITHMS[algorithm]()
+    names = [*ALGORITHMS, *(cls.__name__ for cls in PRESETS)]
+    close = [algorithm.lower()] if algorithm.lower() in ALGORITHMS else difflib.get_close_matches(algorithm, names, n=1)
+    guess = f"did you mean {close[0]}? " if close else ""
+    raise ValueError(
+        f"model.algorithm={algorithm!r} is not known; {guess}choose a name for a preset's defaults "
+        f"({', '.join(ALGORITHMS)}), a preset class to change its settings "
+        f"({', '.join(cls.__name__ for cls in PRESETS)}), or Custom to combine parts."
+    )
 
 
 __all__ = [
@@ -52,6 +72,7 @@ __all__ = [
     "GOPO",
     "GRPO",
     "GSPO",
+    "PRESETS",
     "RLOO",
     "RSPO",
     "SAPO",

@@ -56,7 +56,8 @@ class Custom(Algorithm):
 @dataclass(frozen=True)
 class PPOClip:
     """PPO ratio clipping layered on a preset of the policy-gradient family (GRPO, RLOO, REINFORCE++, Dr. GRPO, MaxRL):
-    seed 000's ``use_ppo_clip`` with its ``clip_low`` / ``clip_high``, recommended with several updates per rollout.
+    ``use_ppo_clip`` with its ``clip_low`` / ``clip_high`` in flat GRPO configs, recommended with several updates
+    per rollout.
 
     Args:
         clip_low: lower clip distance (ratio >= 1 - clip_low).

@@ -17,7 +17,7 @@ class GRPO(Algorithm):
 
     Args:
         advantage_norm: divide the centred reward by the ``group``'s std or the whole ``batch``'s.
-        ppo_clip: layer PPO ratio clipping on the gradient (``ppo_clip: {}`` for seed 000's 0.4 / 0.5).
+        ppo_clip: layer PPO ratio clipping on the gradient (``ppo_clip: {}`` for clip distances 0.4 / 0.5).
     """
 
     def __init__(self, *, advantage_norm: AdvantageNorm = "group", ppo_clip: PPOClip | None = None) -> None:
@@ -29,7 +29,7 @@ class GRPO(Algorithm):
 
 class RLOO(Algorithm):
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline, ``n / (n - 1)`` x the mean-centred reward. Its baseline
-    is a group statistic, so there is no batch normalisation (seed 000 refuses it; use ``ReinforcePP`` for that).
+    is a group statistic, so there is no batch normalisation (refused: use ``ReinforcePP`` for that).
 
     Args:
         ppo_clip: layer PPO ratio clipping on the gradient.

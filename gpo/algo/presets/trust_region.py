@@ -71,7 +71,7 @@ class CISPO(Algorithm):
 
 class GSPO(Algorithm):
     """GSPO (Zheng et al. 2025): the length-normalised sequence ratio, clipped; sequence-mean loss. The paper used
-    clip distances of 3e-4 / 4e-4; seed 000's defaults are 0.4 / 0.5.
+    clip distances of 3e-4 / 4e-4; the defaults here are 0.4 / 0.5, those of flat GRPO configs (seed 000).
 
     Args:
         clip_low: lower clip distance of the sequence ratio.
@@ -101,8 +101,8 @@ class SAPO(Algorithm):
     advantages; sequence-mean loss.
 
     Args:
-        tau_pos: gate temperature for positive advantages (seed 000's ``sapo_tau_pos``).
-        tau_neg: gate temperature for negative advantages (seed 000's ``sapo_tau_neg``).
+        tau_pos: gate temperature for positive advantages (``sapo_tau_pos`` in flat GRPO configs).
+        tau_neg: gate temperature for negative advantages (``sapo_tau_neg`` in flat GRPO configs).
         advantage_norm: divide the centred reward by the ``group``'s std or the whole ``batch``'s.
     """
 
