@@ -81,7 +81,10 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs
-        return super()._find_last_checkpoints(trainer)
+        found = super()._find_last_checkpoints(trainer)
+        if not any(Path(path).is_file() for path in found):  # set and forgotten in a job that may be requeued
+            rank_zero_info(f"--ckpt_path last: no checkpoint in {self.dirpath} yet; starting from the initial weights.")
+        return found
 
     def _default_dirpath(self, trainer: Trainer) -> None:
         if self.dirpath is None:

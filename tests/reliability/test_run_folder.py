@@ -57,6 +57,18 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoint_unless_it_resumes_it(tin
     assert fit(tiny_assets, folder, steps=3, ckpt_path=str(folder / "last.ckpt")).global_step == 3
 
 
+def test_resuming_last_before_any_checkpoint_starts_fresh_and_says_so(tiny_assets, tmp_path, caplog):
+    """``--ckpt_path last`` set once for a job that may be requeued: its first run has nothing to resume."""
+    folder = tmp_path / "ckpt"
+    with caplog.at_level("INFO"):
+        assert fit(tiny_assets, folder, steps=2, ckpt_path="last").global_step == 2
+    assert f"--ckpt_path last: no checkpoint in {folder} yet; starting from the initial weights." in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert fit(tiny_assets, folder, steps=3, ckpt_path="last").global_step == 3  # the requeued job continues
+    assert "no checkpoint" not in caplog.text
+
+
 def test_resuming_under_another_algorithm_is_refused_naming_the_difference(tiny_assets, tmp_path):
     folder = tmp_path / "ckpt"
     fit(tiny_assets, folder, steps=2)  # GRPO
