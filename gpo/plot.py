@@ -34,8 +34,10 @@ def find_metrics_csv(path: str | Path) -> Path:
     candidates = metrics_csv_candidates(path)
     if not candidates:
         where = "does not exist" if not Path(path).exists() else "has no " + ", ".join(SEARCHED)
+        deeper = sorted({str(p.parents[2]) for p in Path(path).glob("*/*/*/metrics.csv")})
+        runs = f"; it holds the runs {', '.join(deeper)}: give one of them" if deeper else ""
         raise FileNotFoundError(
-            f"no metrics.csv found: {path} {where} (CSVLogger writes "
+            f"no metrics.csv found: {path} {where}{runs} (CSVLogger writes "
             "<trainer.default_root_dir>/lightning_logs/version_N/metrics.csv once a step has been logged, "
             "every trainer.log_every_n_steps)"
         )

@@ -52,6 +52,17 @@ def test_plot_error_is_one_clear_line(tmp_path, capsys):
     assert exit_.value.code == 2 and "gpo plot: error: no metrics.csv found" in capsys.readouterr().err
 
 
+def test_plot_takes_the_csv_itself_and_names_the_runs_of_a_folder_of_runs(run_dir, tmp_path, capsys):
+    version = tmp_path / "runs/first/lightning_logs/version_0"
+    version.mkdir(parents=True)
+    (version / "metrics.csv").write_text((run_dir / "lightning_logs/version_0/metrics.csv").read_text())
+    main(["plot", str(version / "metrics.csv")])
+    assert (version / "curves.png").stat().st_size > 0  # next to the CSV
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "runs")])  # three folders up: one default_root_dir per run
+    assert f"it holds the runs {tmp_path / 'runs/first'}: give one of them" in capsys.readouterr().err
+
+
 def test_a_logger_the_user_sets_replaces_the_defaults(root):
     logger = ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root / 'own'}"]
     own = fit(root, "own", *logger)

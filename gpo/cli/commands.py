@@ -31,14 +31,17 @@ def plot_curves(argv: list[str]) -> None:
     from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run, trained
 
     parser = argparse.ArgumentParser(prog="gpo plot", description=plot_curves.__doc__)
-    parser.add_argument("run_dir", help="a version_N folder, its lightning_logs folder or trainer.default_root_dir")
+    parser.add_argument(
+        "run_dir", help="a metrics.csv, its version_N folder, their lightning_logs folder or trainer.default_root_dir"
+    )
     parser.add_argument("--out", help="PNG to write (default: RUN_DIR/curves.png)")
     parser.add_argument("--metrics", nargs="+", help="columns to plot (default: reward/* and completion/len_*)")
     parser.add_argument("--window", type=int, default=5, help="moving-average width in logged points (1: raw only)")
     args = parser.parse_args(argv)
     try:
         metrics_csv = find_metrics_csv(args.run_dir)
-        out = plot_run(metrics_csv, args.out or os.path.join(args.run_dir, "curves.png"), args.metrics, args.window)
+        folder = args.run_dir if os.path.isdir(args.run_dir) else metrics_csv.parent  # RUN_DIR may be the CSV itself
+        out = plot_run(metrics_csv, args.out or os.path.join(folder, "curves.png"), args.metrics, args.window)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"gpo plot: error: {err}\n")
     runs = metrics_csv_candidates(args.run_dir)
@@ -52,17 +55,19 @@ def plot_curves(argv: list[str]) -> None:
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
     parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
-    parser.add_argument("config", help="the run's saved config.yaml")
+    parser.add_argument("config", help="the run's saved config.yaml (or the shipped config it ran, by name)")
     parser.add_argument("checkpoint", help="a .ckpt file of that run")
     parser.add_argument("out", help="folder to write the model and tokenizer into")
     parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
     parser.add_argument("--policy", help="base model folder, if the config's model.policy path is not valid here")
     args = parser.parse_args(argv)
+    from gpo.cli.shipped import config_path
     from gpo.models.export import export_checkpoint  # Lightning, transformers, torch: after --help and argument errors
     from gpo.train.checkpointing import CheckpointError
 
     try:
-        out = export_checkpoint(args.config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
+        config = config_path(args.config, argument="CONFIG")
+        out = export_checkpoint(config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
     except (FileNotFoundError, ValueError, CheckpointError) as err:
         parser.exit(2, f"gpo export: error: {err}\n")
     print(f"wrote {out}")

@@ -27,13 +27,13 @@ def shipped_configs() -> dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def config_path(value: str) -> str:
-    """The file a ``--config`` value names: ``value`` itself when it is a file here, inline YAML or a path with a
-    folder part (jsonargparse reports those), else the shipped config of that name, with or without ``.yaml``."""
+def config_path(value: str, argument: str = "--config") -> str:
+    """The file a ``--config`` value names: ``value`` itself when it is a file here or inline YAML, else the shipped
+    config of that name, with or without ``.yaml``; ``argument`` names the value in errors."""
     if Path(value).is_file() or not _PATH.fullmatch(value):
         return value
     if not _BARE_NAME.fullmatch(value):  # a path with a folder part that names no file
-        return _missing_file(Path(value))
+        return _missing_file(Path(value), argument)
     shipped = shipped_configs()
     name = value.removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
@@ -41,19 +41,19 @@ def config_path(value: str) -> str:
     close = difflib.get_close_matches(name, list(shipped), n=1)
     guess = f"did you mean {close[0]}? Otherwise " if close else ""
     raise FileNotFoundError(
-        f"--config {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
+        f"{argument} {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
         f"or one of: {', '.join(shipped)}."
     )
 
 
-def _missing_file(path: Path) -> str:
-    """Refuse a ``--config`` path that names no file, with the closest YAML file of its folder."""
+def _missing_file(path: Path, argument: str) -> str:
+    """Refuse a config path that names no file, with the closest YAML file of its folder."""
     siblings = sorted(p.name for p in path.parent.glob("*.y*ml")) if path.parent.is_dir() else []
     close = difflib.get_close_matches(path.name, siblings, n=1)
     guess = f"did you mean {path.parent / close[0]}? " if close else ""
     where = "" if path.parent.is_dir() else f" (no folder {path.parent})"
     raise FileNotFoundError(
-        f"--config {path}: no such file{where}; {guess}a shipped config can also be given by name, e.g. --config "
+        f"{argument} {path}: no such file{where}; {guess}a shipped config can also be given by name, e.g. "
         "quickstart (gpo fit --help lists them)."
     )
 

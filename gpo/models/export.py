@@ -49,12 +49,15 @@ def export_checkpoint(
     ``config`` is the run's saved ``config.yaml`` (it says which base model, trainer mode and LoRA settings
     to rebuild); ``policy`` overrides its ``model.policy`` path, e.g. when the run was started elsewhere.
     """
-    import yaml
-
     from gpo.models.loading import LoraSettings, check_pretrained_folder, load_policy, load_tokenizer
     from gpo.train.checkpointing import load_checkpoint_file
 
-    settings = yaml.safe_load(Path(config).read_text())["model"]
+    settings = run_settings(Path(config))
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (gpo export CONFIG CKPT OUT).")
+    if not merge and settings.get("trainer_mode", "full") == "full":
+        raise ValueError(f"--adapter: {config} trains the full model (trainer_mode: full), which has no adapter; "
+                         "leave out --adapter.")  # fmt: skip
     path = policy or settings["policy"]
     try:
         check_pretrained_folder(path, "model.policy", "model")
@@ -74,3 +77,23 @@ def export_checkpoint(
     field = "model.tokenizer" if settings.get("tokenizer") else "model.policy"
     tokenizer = load_tokenizer(settings.get("tokenizer") or path, field)
     return export_policy(model, tokenizer, folder, merge=merge)
+
+
+def run_settings(config: Path) -> dict:
+    """The ``model`` settings of a run's ``config.yaml``, or an error that says what ``gpo export`` expected."""
+    import yaml
+
+    usage = "gpo export takes the run's config.yaml, then a .ckpt file, then the folder to write"
+    if config.suffix == ".ckpt":
+        raise ValueError(f"{config} is a checkpoint, not a config: {usage} (gpo export CONFIG CKPT OUT).")
+    try:
+        settings = yaml.safe_load(config.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"{config} is not a YAML config ({type(err).__name__}): {usage}.") from None
+    if (
+        not isinstance(settings, dict)
+        or not isinstance(settings.get("model"), dict)
+        or "policy" not in settings["model"]
+    ):
+        raise ValueError(f"{config} sets no model.policy: {usage} (lightning_logs/version_N/config.yaml).")
+    return settings["model"]

@@ -154,3 +154,32 @@ def test_export_refuses_a_checkpoint_that_carries_code(tmp_path, capsys):
     assert not marker.exists()  # nothing from the file ran
     assert "holds pickled objects other than tensors" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_swapped_arguments_a_missing_checkpoint_and_an_adapter_of_a_full_run(tmp_path, capsys):
+    """Each refused before the model loads, in one line that says what to give."""
+    from gpo.cli import main
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {tmp_path / 'no_model_needed'}\n  trainer_mode: full\n")
+    checkpoint = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, checkpoint)
+    cases = {
+        (str(checkpoint), str(config)): f"{checkpoint} is a checkpoint, not a config: gpo export takes the run's "
+        "config.yaml, then a .ckpt file, then the folder to write",
+        (str(config), str(tmp_path / "nope.ckpt")): f"checkpoint {tmp_path / 'nope.ckpt'} does not exist",
+        (str(config), str(checkpoint), "--adapter"): "trains the full model (trainer_mode: full), which has no "
+        "adapter; leave out --adapter.",
+    }
+    (tmp_path / "weights.bin").write_bytes(b"\x80\x02binary")
+    cases[(str(tmp_path / "weights.bin"), str(checkpoint))] = "weights.bin is not a YAML config (UnicodeDecodeError)"
+    cases[("quickstrat", str(checkpoint))] = (
+        "CONFIG quickstrat: no such file here, and gpo ships no config of that name"
+    )
+    for args, says in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", args[0], args[1], str(tmp_path / "out"), *args[2:]])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("gpo export: error: ") and says in err, (args, err)
+        assert len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
