@@ -68,6 +68,7 @@ def test_an_unknown_command_is_refused_with_the_closest_one(capsys):
         run(["fitt", "--config", "quickstart"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "unknown command 'fitt'; did you mean fit?" in err, err
+    assert err.endswith("gpo --help lists the commands.\n(GPO_TRACEBACK=1 shows the traceback)\n"), err
     with pytest.raises(SystemExit):
         run(["test"])  # Lightning's test and predict are not offered: GPOModule has no test or predict step
     assert "unknown command 'test'" in capsys.readouterr().err
@@ -80,8 +81,32 @@ def test_fit_help_shows_gpos_settings_before_the_trainers(fit_help):
     for flag in ("--config", "--export", "--model.policy", "--model.algorithm", "--data.path", "--ckpt_path"):
         assert flag in fit_help, flag
     assert fit_help.index("--model.policy") < fit_help.index("--data.path") < fit_help.index("--trainer.max_steps")
+    assert fit_help.index("--ckpt_path") < fit_help.index("--trainer.max_steps")
     assert "--trainer.barebones" not in fit_help and "--trainer.sync_batchnorm" not in fit_help
     assert "the name of a config shipped with gpo" in fit_help
+
+
+def test_ckpt_path_and_export_are_described_as_each_command_uses_them(fit_help):
+    def flat(text: str) -> str:
+        return " ".join(text.split())
+
+    validate_help = flat(help_text("validate", "--help"))
+    assert "--ckpt_path CKPT_PATH continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run" in flat(
+        fit_help
+    )
+    assert "--ckpt_path CKPT_PATH evaluate a checkpoint: last" in validate_help
+    assert '"hpc"' not in flat(fit_help) + validate_help  # Lightning's text, for a checkpoint gpo never writes
+    assert "gpo fit: save the policy to <log dir>/export when training ends" in validate_help
+
+
+@pytest.mark.parametrize("name", ["tiny", "plot", "export"])
+def test_the_small_commands_help_is_plain_text_with_every_option_described(name):
+    text = help_text(name, "--help")
+    assert "``" not in text and f"gpo {name} " in text, text
+    options = text[text.index("options:") :].splitlines()[2:]  # after -h
+    for line, after in zip(options, [*options[1:], ""], strict=True):
+        if line.strip().startswith("--") and len(line.split()) <= 2:  # the flag alone: its text on the next line
+            assert after.strip() and not after.strip().startswith("--"), (line, text)
 
 
 def test_fit_help_says_how_to_reach_everything_it_does_not_show(fit_help):

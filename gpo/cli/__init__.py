@@ -100,8 +100,8 @@ def run(argv: list[str] | None = None) -> None:
         text = explain(str(error), files, known_groups())
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
-        print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists the settings)",
-              file=sys.stderr)  # fmt: skip
+        settings = f"; {command} --help lists the settings" if command != "gpo" else ""  # else: an unknown command
+        print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback{settings})", file=sys.stderr)
         sys.exit(2)
 
 

@@ -11,12 +11,14 @@ def make_tiny(argv: list[str]) -> None:
     """``gpo tiny OUT``: write a tiny random model and a synthetic task's prompts for a CPU run."""
     from gpo.tasks import TASKS, make_task, write_jsonl
 
-    parser = argparse.ArgumentParser(prog="gpo tiny", description=make_tiny.__doc__)
+    parser = argparse.ArgumentParser(prog="gpo tiny", description=_description(make_tiny))
     parser.add_argument("out", help="folder to write model/, train.jsonl and val.jsonl into")
-    parser.add_argument("--task", default="sort_digits", choices=sorted(TASKS))
-    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen2_moe"])
-    parser.add_argument("--examples", type=int, default=5000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", default="sort_digits", choices=sorted(TASKS), help="the synthetic task (%(default)s)")
+    parser.add_argument(
+        "--arch", default="llama", choices=["llama", "qwen2", "qwen2_moe"], help="model architecture (%(default)s)"
+    )
+    parser.add_argument("--examples", type=int, default=5000, help="training prompts to write (%(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (%(default)s)")
     args = parser.parse_args(argv)
     from gpo.testing import save_tiny_model  # transformers and torch: after --help and argument errors
 
@@ -30,7 +32,7 @@ def plot_curves(argv: list[str]) -> None:
     """``gpo plot RUN_DIR``: plot a run's reward and completion-length curves from its metrics.csv into a PNG."""
     from gpo.plot import find_metrics_csv, metrics_csv_candidates, plot_run, trained
 
-    parser = argparse.ArgumentParser(prog="gpo plot", description=plot_curves.__doc__)
+    parser = argparse.ArgumentParser(prog="gpo plot", description=_description(plot_curves))
     parser.add_argument(
         "run_dir", help="a metrics.csv, its version_N folder, their lightning_logs folder or trainer.default_root_dir"
     )
@@ -54,7 +56,7 @@ def plot_curves(argv: list[str]) -> None:
 
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
-    parser = argparse.ArgumentParser(prog="gpo export", description=export_checkpoint_command.__doc__)
+    parser = argparse.ArgumentParser(prog="gpo export", description=_description(export_checkpoint_command))
     parser.add_argument("config", help="the run's saved config.yaml (or the shipped config it ran, by name)")
     parser.add_argument("checkpoint", help="a .ckpt file of that run")
     parser.add_argument("out", help="folder to write the model and tokenizer into")
@@ -71,3 +73,8 @@ def export_checkpoint_command(argv: list[str]) -> None:
     except (FileNotFoundError, ValueError, CheckpointError) as err:
         parser.exit(2, f"gpo export: error: {err}\n")
     print(f"wrote {out}")
+
+
+def _description(command) -> str:
+    """A command's docstring as ``--help`` prints it: without the reStructuredText code marks."""
+    return command.__doc__.replace("``", "")

@@ -55,6 +55,10 @@ class GPOCLI(LightningCLI):
             subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
         main_kwargs.setdefault("prog", "gpo")  # not python -m gpo.cli's __main__.py
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if not self.full_help:  # every argument is added now, --ckpt_path included
+            names = helptext.SUBCOMMANDS if add_subcommands else [None]  # None: a CLI built with run=False
+            for name in names:
+                helptext.focus(self._parser(name), name or "fit")
 
     def parse_arguments(self, parser, args) -> None:
         if isinstance(args, list | tuple):
@@ -68,11 +72,9 @@ class GPOCLI(LightningCLI):
             "--export",
             type=Literal["merged", "adapter", "none"],
             default="merged",
-            help="save the policy to <log dir>/export when training ends: merged (LoRA merged into the weights), "
-            "adapter (the LoRA adapter alone) or none",
+            help="gpo fit: save the policy to <log dir>/export when training ends: merged (LoRA merged into the "
+            "weights), adapter (the LoRA adapter alone) or none",
         )
-        if not self.full_help:
-            helptext.focus(parser)
 
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.

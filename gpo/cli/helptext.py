@@ -55,13 +55,26 @@ def describe_config(parser: ArgumentParser) -> None:
             action.help = CONFIG_HELP
 
 
-def focus(parser: ArgumentParser) -> None:
+#: ``--ckpt_path`` of each subcommand, as gpo uses it (Lightning's text offers ``best``, ``hpc`` and ``registry``).
+CKPT_PATH_HELP = {
+    "fit": "continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run with none yet starts from "
+    "the initial weights) or a .ckpt file",
+    "validate": "evaluate a checkpoint: last (trainer.default_root_dir/checkpoints/last.ckpt) or a .ckpt file; "
+    "none: the policy as model.policy loads it",
+}
+
+
+def focus(parser: ArgumentParser, subcommand: str) -> None:
     """Make ``parser``'s help gpo's: Lightning's trainer settings other than ``TRAINER_KEYS`` left out of it (they
-    stay valid settings) and the trainer group moved after gpo's groups, with ``epilog`` below."""
+    stay valid settings), ``--ckpt_path`` described as gpo uses it, and the trainer group moved after gpo's groups,
+    with ``epilog`` below."""
     for action in parser._actions:
         trainer_flag = any(flag == "--trainer" or flag.startswith("--trainer.") for flag in action.option_strings)
         if trainer_flag and action.dest not in TRAINER_KEYS:
             action.help = argparse.SUPPRESS
+        if action.dest == "ckpt_path":
+            action.help = CKPT_PATH_HELP[subcommand]
+            action.container.title, action.container.description = "Checkpoint", None
     trainer = parser.groups["trainer"]
     trainer.title = f"Lightning's Trainer, its most used settings ({FULL_HELP} lists all of them)"
     trainer.description = None
