@@ -1,7 +1,8 @@
 """Step time of ``GPOModule`` against a bare loop doing the same generate + forward/backward/optimiser work.
 
-Two workloads (``--preset``; every size is also a flag): ``quickstart``, the CPU quickstart's size (a tiny random
-llama of hidden 64 and 2 layers, 8 prompts x 8 completions of up to 4 tokens, lr 1e-3), where a step is tens of
+Two workloads (``--preset``; every size is also a flag): ``quickstart``, the CPU quickstart's model and lengths (a
+tiny random llama of hidden 64 and 2 layers, 8 prompts x 8 completions of up to 4 tokens, where
+``configs/quickstart.yaml`` samples 16 per prompt; lr 1e-3), where a step is tens of
 milliseconds and any fixed per-step cost shows; and ``long`` (hidden 256, 4 layers, 32 tokens), where a step is
 most of a second. Both: a character vocabulary, ``sort_digits`` prompts, temperature 1 (no top-p/top-k), the
 ``grpo`` preset with one optimiser step per rollout batch and old log-probs recomputed by the trainer
