@@ -82,7 +82,8 @@ class ResumeCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs
         found = super()._find_last_checkpoints(trainer)
-        if not any(Path(path).is_file() for path in found):  # set and forgotten in a job that may be requeued
+        alone = trainer.checkpoint_callbacks == [self]  # else another callback's checkpoint may be resumed
+        if alone and not any(self._fs.exists(path) for path in found):  # set once in a job that may be requeued
             rank_zero_info(f"--ckpt_path last: no checkpoint in {self.dirpath} yet; starting from the initial weights.")
         return found
 

@@ -182,7 +182,7 @@ def test_a_mistyped_path_after_the_set_up_gets_the_closest_file_and_no_set_up_hi
     with pytest.raises(SystemExit):
         run(["fit", "--config", "quickstart", f"--model.policy={root / 'model'}", "--data.path=runs/tiny/trian.jsonl"])
     err = capsys.readouterr().err
-    assert "data path 'runs/tiny/trian.jsonl' does not exist; did you mean 'runs/tiny/train.jsonl'?" in err, err
+    assert "data path 'runs/tiny/trian.jsonl' does not exist; did you mean runs/tiny/train.jsonl?" in err, err
     assert "set-up" not in err, err
 
 

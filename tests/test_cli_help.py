@@ -68,7 +68,9 @@ def test_an_unknown_command_is_refused_with_the_closest_one(capsys):
         run(["fitt", "--config", "quickstart"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "unknown command 'fitt'; did you mean fit?" in err, err
-    assert err.endswith("gpo --help lists the commands.\n(GPO_TRACEBACK=1 shows the traceback)\n"), err
+    assert err.endswith("did you mean fit?\n(GPO_TRACEBACK=1 shows the traceback; gpo --help lists the commands)\n"), (
+        err
+    )
     with pytest.raises(SystemExit):
         run(["test"])  # Lightning's test and predict are not offered: GPOModule has no test or predict step
     assert "unknown command 'test'" in capsys.readouterr().err
@@ -95,7 +97,7 @@ def test_ckpt_path_and_export_are_described_as_each_command_uses_them(fit_help):
         fit_help
     )
     assert "--ckpt_path CKPT_PATH evaluate a checkpoint: last" in validate_help
-    assert '"hpc"' not in flat(fit_help) + validate_help  # Lightning's text, for a checkpoint gpo never writes
+    assert "hpc" not in flat(fit_help) + validate_help  # Lightning's text, for a checkpoint gpo never writes
     assert "gpo fit: save the policy to <log dir>/export when training ends" in validate_help
 
 
@@ -217,6 +219,8 @@ def test_a_wrong_value_names_the_key_the_expected_type_and_its_file(tmp_path, ca
     assert err.startswith(f"gpo fit: error: model.optim.lr: Expected a float. Got value: fast\n(set in {bad})\n"), err
     err = fit_error(capsys, "--model.optim.lr", "fast")  # quickstart.yaml sets lr too, but not to this value
     assert err.startswith("gpo fit: error: model.optim.lr: Expected a float. Got value: fast\n(GPO_TRACEBACK"), err
+    err = fit_error(capsys, "--model.optim", "fast")  # a union: "Given value"; quickstart.yaml sets another
+    assert err.startswith("gpo fit: error: model.optim: ") and "(set in" not in err, err
     err = fit_error(capsys, "--model.engine.sampling.temperature", "hot")
     assert err.startswith("gpo fit: error: model.engine.sampling.temperature: Expected a float. Got value: hot"), err
 
@@ -228,8 +232,10 @@ def test_a_wrong_value_names_the_key_the_expected_type_and_its_file(tmp_path, ca
          "expected ',' or ']', but got '<stream end>' at line 3, column 1."),
         ("model:\n\tgroup_size: 4\n", "is not valid YAML: while scanning for the next token: found character '\\t' "
          "that cannot start any token at line 2, column 1."),
+        ("model:\n  group_size: 4\x1b[0m\n", "is not valid YAML: character #x001b at position 23: special "
+         "characters are not allowed."),
     ],
-    ids=["unclosed", "tab"],
+    ids=["unclosed", "tab", "control_character"],
 )  # fmt: skip
 def test_a_config_that_is_not_yaml_is_named_with_the_line(tmp_path, capsys, content, says):
     bad = tmp_path / "broken.yaml"
@@ -252,6 +258,29 @@ def test_a_misspelt_group_a_missing_config_and_an_abbreviated_key_are_refused_wi
         run(["fit"])
     err = capsys.readouterr().err
     assert "gpo fit: error: model.policy is not set: give a config (--config quickstart, or a YAML file)" in err, err
+    null = tmp_path / "null.yaml"
+    null.write_text("model:\n  policy: null\n")
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", str(null)])
+    err = capsys.readouterr().err
+    assert f"model.policy is null in {null}: give it a value there or with --model.policy VALUE" in err, err
+
+
+def test_a_config_path_that_exists_in_another_form_is_read(tmp_path, monkeypatch):
+    """``~`` left unexpanded by the shell (``--config=~/x.yaml``) and a pipe (``--config <(...)``) are files to
+    jsonargparse: gpo passes them on rather than refusing them as missing."""
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.yaml").write_text("model: {group_size: 4}\n")
+    assert with_shipped_configs(["--config=~/mine.yaml"]) == ["--config=~/mine.yaml"]
+    read, write = os.pipe()
+    try:
+        pipe = f"/dev/fd/{read}"
+        assert with_shipped_configs(["--config", pipe]) == ["--config", pipe]
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 def test_a_preset_name_with_settings_or_a_misspelt_preset_class_says_what_to_write(tmp_path, capsys):

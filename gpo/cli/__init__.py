@@ -4,7 +4,6 @@ transformers). ``gpo --help`` lists them."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 
@@ -15,6 +14,7 @@ from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
 from gpo.cli.errors import explain, setup_steps
 from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
+from gpo.suggest import did_you_mean
 
 #: The small commands, by name: the function that runs one (given the arguments after its name) and its line in
 #: ``gpo --help``.
@@ -51,9 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[args[0]][0](args[1:])
         return
     if args[0] not in SUBCOMMANDS and not args[0].startswith("-"):
-        close = difflib.get_close_matches(args[0], [*SUBCOMMANDS, *COMMANDS], n=1)
-        guess = f"did you mean {close[0]}? " if close else ""
-        raise ValueError(f"unknown command {args[0]!r}; {guess}gpo --help lists the commands.")
+        guess = did_you_mean(args[0], [*SUBCOMMANDS, *COMMANDS]).strip()
+        raise ValueError(f"unknown command {args[0]!r}" + (f"; {guess}" if guess else ""))
     from gpo.cli.fit import GPOCLI
     from gpo.train.data import PromptDataModule
     from gpo.train.module import GPOModule
@@ -100,8 +99,9 @@ def run(argv: list[str] | None = None) -> None:
         text = explain(str(error), files, known_groups())
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
-        settings = f"; {command} --help lists the settings" if command != "gpo" else ""  # else: an unknown command
-        print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback{settings})", file=sys.stderr)
+        lists = "the settings" if command != "gpo" else "the commands"  # no command, or an unknown one
+        print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists {lists})",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 
 def make_tiny(argv: list[str]) -> None:
@@ -57,7 +58,11 @@ def plot_curves(argv: list[str]) -> None:
 def export_checkpoint_command(argv: list[str]) -> None:
     """``gpo export CONFIG CKPT OUT``: save the policy of a checkpoint as a transformers folder."""
     parser = argparse.ArgumentParser(prog="gpo export", description=_description(export_checkpoint_command))
-    parser.add_argument("config", help="the run's saved config.yaml (or the shipped config it ran, by name)")
+    parser.add_argument(
+        "config",
+        help="the run's saved lightning_logs/version_N/config.yaml; a shipped config's name (quickstart) works when "
+        "the run changed none of its model settings",
+    )
     parser.add_argument("checkpoint", help="a .ckpt file of that run")
     parser.add_argument("out", help="folder to write the model and tokenizer into")
     parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
@@ -75,6 +80,6 @@ def export_checkpoint_command(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def _description(command) -> str:
+def _description(command: Callable[[list[str]], None]) -> str:
     """A command's docstring as ``--help`` prints it: without the reStructuredText code marks."""
-    return command.__doc__.replace("``", "")
+    return (command.__doc__ or "").replace("``", "")

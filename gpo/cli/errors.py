@@ -7,7 +7,6 @@ it, and, for settings that moved when gpo's configuration was reorganised, their
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import itertools
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gpo.suggest import did_you_mean
 
 #: Settings that moved, by their old key: where each went.
 MOVED_KEYS: dict[str, str] = {
@@ -71,9 +72,11 @@ _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
-_GOT_VALUE = re.compile(r"Got value: (.*)$", re.MULTILINE)
+_GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 #: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
+#: What ``_lookup`` returns for a key a config does not set (None is a value a config may set).
+_MISSING = object()
 
 
 def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
@@ -88,11 +91,12 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     if not any(marker in message for marker in JSONARGPARSE_MARKERS):
         return "\n".join([message, *moved])
     key, problem, unknown = _key_and_problem(message)
-    lines = [problem]
     rejected_value = None if unknown else _GOT_VALUE.search(message)
     source = _file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
-    if source is not None:
-        lines.append(f"(set in {source})")
+    if problem.endswith(" is not set"):
+        lines = [_unset(problem.removesuffix(" is not set"), source, config_files)]
+    else:
+        lines = [problem, *([f"(set in {source})"] if source is not None else [])]
     known = dict(known or {})
     if unknown:
         rejected = _NOT_ACCEPTED.search(message)
@@ -102,6 +106,15 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     if key is not None and key.startswith("model.algorithm"):
         lines.extend(_algorithm_hints(message))
     return "\n".join([*lines, *moved])
+
+
+def _unset(key: str, source: str | None, config_files: Iterable[str]) -> str:
+    """A required setting without a value: null in the config ``source``, or given nowhere."""
+    if source is not None:
+        return f"{key} is null in {source}: give it a value there or with --{key} VALUE"
+    if not list(config_files):
+        return f"{key} is not set: give a config (--config quickstart, or a YAML file) or --{key} VALUE"
+    return f"{key} is not set: give it in a config or with --{key} VALUE"
 
 
 def setup_steps(config_files: Iterable[str]) -> list[str]:
@@ -146,7 +159,7 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
         return None, _first_reason(message), False
     shown = group.replace(".init_args.", ".")  # as it is written on the command line
     if message.rstrip().endswith("Given value: None"):
-        return group, f"{shown} is not set: give a config (--config quickstart, or a YAML file) or --{shown}", False
+        return group, f"{shown} is not set", False
     reason = _first_reason(message)
     return group, reason if reason.startswith(group) else f"{shown}: {reason}", False
 
@@ -172,6 +185,11 @@ def _yaml_problem(message: str, config_files: Iterable[str]) -> str:
         except yaml.MarkedYAMLError as err:
             parts = [_at(err.context, err.context_mark), _at(err.problem, err.problem_mark)]
             return f"{name} is not valid YAML: {': '.join(part for part in parts if part)}."
+        except yaml.reader.ReaderError as err:  # a control character: no line and column, a position
+            shown = f"#x{err.character:04x}" if isinstance(err.character, int) else repr(err.character)
+            return f"{name} is not valid YAML: character {shown} at position {err.position + 1}: {err.reason}."
+        except yaml.YAMLError as err:
+            return f"{name} is not valid YAML: {' '.join(str(err).split())}."
     return message
 
 
@@ -195,8 +213,8 @@ def _algorithm_hints(message: str) -> list[str]:
             f"{name} is a preset by name, with its defaults; to change a setting choose its class: "
             f"--model.algorithm {cls} --model.algorithm.{nested.group(1)} VALUE (or class_path: {cls} in YAML)."
         ]
-    close = difflib.get_close_matches(name, [cls.__name__ for cls in PRESETS], n=1)
-    return [f"did you mean {close[0]}?"] if close else []
+    guess = did_you_mean(name, [cls.__name__ for cls in PRESETS]).strip()
+    return [guess] if guess else []
 
 
 def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
@@ -211,12 +229,12 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
         group = group.removesuffix(".init_args")
     owner = known.get(group)
     if owner is None and "." not in group:  # a misspelt top-level group: modle.group_size
-        close = difflib.get_close_matches(group, sorted({k.split(".")[0] for k in known}), n=1)
-        return [f"did you mean {close[0]}.{name}?"] if close else []
+        guess = did_you_mean(group, {k.split(".")[0] for k in known}, "{}." + name).strip()
+        return [guess] if guess else []
     choices = _parameters(owner) if owner is not None else []
-    close = difflib.get_close_matches(name, choices, n=1)
-    if close:
-        return [f"did you mean {group}.{close[0]}?"]
+    guess = did_you_mean(name, choices, group + ".{}").strip()
+    if guess:
+        return [guess]
     return [f"{group} takes: {', '.join(choices)}."] if choices else []
 
 
@@ -251,9 +269,6 @@ def _file_holding(key: str, config_files: Iterable[str], value: str | None = Non
             if held is not _MISSING and (value is None or str(held) == value):
                 found = name
     return found
-
-
-_MISSING = object()
 
 
 def _lookup(tree: Any, parts: list[str]) -> Any:

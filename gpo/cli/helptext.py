@@ -37,6 +37,13 @@ CONFIG_HELP = (
     "a YAML file, or the name of a config shipped with gpo (e.g. quickstart, dapo); give --config several times to "
     "combine files, later ones overriding earlier ones."
 )
+#: ``--ckpt_path`` of each subcommand, as gpo uses it (Lightning's text offers ``best``, ``hpc`` and ``registry``).
+CKPT_PATH_HELP = {
+    "fit": "continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run with none yet starts from "
+    "the initial weights) or a .ckpt file",
+    "validate": "evaluate a checkpoint: last (trainer.default_root_dir/checkpoints/last.ckpt) or a .ckpt file; "
+    "none: the policy as model.policy loads it",
+}
 
 
 def description(line: str) -> str:
@@ -53,15 +60,6 @@ def describe_config(parser: ArgumentParser) -> None:
     for action in parser._actions:
         if "--config" in action.option_strings:
             action.help = CONFIG_HELP
-
-
-#: ``--ckpt_path`` of each subcommand, as gpo uses it (Lightning's text offers ``best``, ``hpc`` and ``registry``).
-CKPT_PATH_HELP = {
-    "fit": "continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run with none yet starts from "
-    "the initial weights) or a .ckpt file",
-    "validate": "evaluate a checkpoint: last (trainer.default_root_dir/checkpoints/last.ckpt) or a .ckpt file; "
-    "none: the policy as model.policy loads it",
-}
 
 
 def focus(parser: ArgumentParser, subcommand: str) -> None:

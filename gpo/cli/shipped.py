@@ -4,11 +4,12 @@ config of that name."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from gpo.suggest import closest_file, did_you_mean
 
 if TYPE_CHECKING:
     from gpo.algo.presets import Algorithm
@@ -30,29 +31,29 @@ def shipped_configs() -> dict[str, Path]:
 def config_path(value: str, argument: str = "--config") -> str:
     """The file a ``--config`` value names: ``value`` itself when it is a file here or inline YAML, else the shipped
     config of that name, with or without ``.yaml``; ``argument`` names the value in errors."""
-    if Path(value).is_file() or not _PATH.fullmatch(value):
+    path = Path(value).expanduser()
+    if path.is_file() or not _PATH.fullmatch(value):
         return value
-    if not _BARE_NAME.fullmatch(value):  # a path with a folder part that names no file
-        return _missing_file(Path(value), argument)
+    if not _BARE_NAME.fullmatch(value):  # a path with a folder part: never a shipped name
+        if path.exists():  # a pipe (--config <(...)) or a folder: jsonargparse reads or refuses it
+            return value
+        raise _missing_file(path, argument)
     shipped = shipped_configs()
     name = value.removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
         return str(shipped[name])
-    close = difflib.get_close_matches(name, list(shipped), n=1)
-    guess = f"did you mean {close[0]}? Otherwise " if close else ""
+    guess = did_you_mean(name, shipped).replace("? ", "? Otherwise ")
     raise FileNotFoundError(
         f"{argument} {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
         f"or one of: {', '.join(shipped)}."
     )
 
 
-def _missing_file(path: Path, argument: str) -> str:
-    """Refuse a config path that names no file, with the closest YAML file of its folder."""
-    siblings = sorted(p.name for p in path.parent.glob("*.y*ml")) if path.parent.is_dir() else []
-    close = difflib.get_close_matches(path.name, siblings, n=1)
-    guess = f"did you mean {path.parent / close[0]}? " if close else ""
+def _missing_file(path: Path, argument: str) -> FileNotFoundError:
+    """The error for a config path that names nothing, with the closest YAML file of its folder."""
+    guess = closest_file(path, "*.y*ml")
     where = "" if path.parent.is_dir() else f" (no folder {path.parent})"
-    raise FileNotFoundError(
+    return FileNotFoundError(
         f"{argument} {path}: no such file{where}; {guess}a shipped config can also be given by name, e.g. "
         "quickstart (gpo fit --help lists them)."
     )

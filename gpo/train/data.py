@@ -3,7 +3,6 @@ batches of prompts."""
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import json
 import logging
@@ -20,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from gpo.models.loading import check_pretrained_folder, load_tokenizer
 from gpo.parallel import collectives
 from gpo.seeds import run_seed, stream_generator, stream_seed
+from gpo.suggest import closest_file
 from gpo.tasks import GeneratedTask
 from gpo.train.hooks import RolloutSource
 
@@ -37,9 +37,7 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
     path = Path(path)
     if not path.exists():
-        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
-        close = difflib.get_close_matches(path.name, siblings, n=1)
-        guess = f"did you mean {str(path.parent / close[0])!r}? Otherwise " if close else ""
+        guess = closest_file(path).replace("? ", "? Otherwise ")
         raise FileNotFoundError(
             f"data path {str(path)!r} does not exist; {guess}give a .jsonl/.json/.parquet/.csv file."
         )
@@ -71,7 +69,8 @@ def unreadable_reason(path: Path, error: BaseException) -> str:
         with path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 try:
-                    json.loads(line) if line.strip() else None
+                    if line.strip():
+                        json.loads(line)
                 except json.JSONDecodeError as err:
                     return (
                         f"line {number}, column {err.colno} is not valid JSON: {err.msg}; each line holds one object."

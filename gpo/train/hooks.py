@@ -11,12 +11,12 @@ members it reads).
 
 from __future__ import annotations
 
-import difflib
 from typing import TYPE_CHECKING, Any
 
 from lightning import Callback, LightningModule, Trainer
 
 from gpo.rollout.base import Rollout, RolloutEngine
+from gpo.suggest import did_you_mean
 
 if TYPE_CHECKING:  # gpo.callbacks imports this file and stays free of transformers
     import torch
@@ -37,8 +37,8 @@ class RolloutCallback(Callback):
         hooks = [name for name in dir(RolloutCallback) if name.startswith("on_")]
         for name, value in vars(cls).items():
             if name.startswith("on_") and callable(value) and name not in hooks:
-                close = difflib.get_close_matches(name, hooks, n=1)
-                hint = f"; did you mean {close[0]}?" if close else f"; the rollout hooks are {ROLLOUT_HOOKS}."
+                guess = did_you_mean(name, hooks).strip()
+                hint = f"; {guess}" if guess else f"; the rollout hooks are {ROLLOUT_HOOKS}."
                 raise TypeError(f"{cls.__name__}.{name} is not a hook of Lightning's Callback or RolloutCallback{hint}")
 
     def on_prompts(self, trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any] | None:

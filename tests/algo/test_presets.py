@@ -161,9 +161,12 @@ def test_invalid_configurations_fail_at_construction_with_the_fix(build, message
         ("dapoo", r"'dapoo' is not known; did you mean dapo\? choose a name for a preset's defaults \(grpo, .*gopo\), "
          r"a preset class to change its settings \(GRPO, .*DPPO, DRO\), or Custom"),
         ("Dapo", r"did you mean dapo\?"),
+        ("drgrpo", r"'drgrpo' is not known; did you mean dr_grpo\?"),
+        ("DrGRPO", r"'DrGRPO' is not known; did you mean dr_grpo\?"),  # the class's name, given as a string
+        ("reinforcepp", r"did you mean reinforce_pp\?"),
         ("DAPOO", r"did you mean DAPO\?"),
         ("dro", r"'dro': DRO has no default for beta; choose it by class with its settings: algorithm: "
-         r"\{class_path: DRO, init_args: \{beta: ...\}\} \(configs/dro.yaml has one\)"),
+         r"\{class_path: DRO, init_args: \{beta: ...\}\} \(--config dro sets one\)"),
         ("dppo", r"DPPO has no default for threshold"),
         ("zzz", r"'zzz' is not known; choose a name"),
     ],
@@ -179,7 +182,7 @@ def test_every_preset_class_is_listed_and_every_defaulted_one_has_a_name():
     from gpo.algo import Algorithm, Custom, presets
 
     classes = {obj for obj in vars(presets).values() if isinstance(obj, type) and issubclass(obj, Algorithm)}
-    assert set(PRESETS) == classes - {Algorithm, Custom}
+    assert set(PRESETS) == classes - {Algorithm, Custom} and len(PRESETS) == len(set(PRESETS))
     defaulted = {
         cls for cls in PRESETS if all(p.default is not p.empty for p in inspect.signature(cls).parameters.values())
     }

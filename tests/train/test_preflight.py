@@ -178,7 +178,8 @@ CLI_CASES = [
         field="model.mixer (WeightedSum) has 2 weights", fix="give one weight per reward function"),
     bad("no_rewards", "--model.rewards=[]", field="model.rewards is empty", fix="give at least one reward function"),
     # ---- the seeds' compatibility rules and knob ranges ---------------------------------------------------------
-    bad("unknown_algorithm", "--model.algorithm=ppo", field="model.algorithm='ppo'", fix="choose one of grpo, rloo"),
+    bad("unknown_algorithm", "--model.algorithm=ppo", field="model.algorithm='ppo'",
+        fix="a preset's defaults (grpo, rloo"),
     bad("clip_low_negative", "--model.algorithm=GRPO", "--model.algorithm.ppo_clip.clip_low=-0.1",
         field="clip_low=-0.1", fix="must be >= 0"),
     bad("clip_low_above_1", "--model.algorithm=CISPO", "--model.algorithm.clip_low=1.5", field="clip_low=1.5",

@@ -9,12 +9,12 @@ by its lowercase name for its defaults (``algorithm: dapo``).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 
 from gpo.algo.presets.base import Algorithm, Custom, Parts, PPOClip
 from gpo.algo.presets.policy_gradient import GRPO, RLOO, DrGRPO, MaxRL, ReinforcePP
 from gpo.algo.presets.trust_region import CISPO, DAPO, DPPO, DRO, GMPO, GOPO, GSPO, RSPO, SAPO, VESPO
+from gpo.suggest import did_you_mean
 
 #: The presets that have a default for every setting, by lowercase name (seed 000's ``algorithm`` and seed 002's TRL
 #: ``loss_type`` where they name one): ``algorithm: dapo`` is ``DAPO()``.
@@ -43,18 +43,21 @@ def preset(algorithm: Algorithm | str) -> Algorithm:
         return algorithm
     if algorithm in ALGORITHMS:
         return ALGORITHMS[algorithm]()
-    needs = {cls.__name__.lower(): cls for cls in PRESETS if cls.__name__.lower() not in ALGORITHMS}
-    if algorithm.lower() in needs:
-        cls = needs[algorithm.lower()]
+    without_defaults = {cls.__name__.lower(): cls for cls in PRESETS if cls not in ALGORITHMS.values()}
+    if algorithm.lower() in without_defaults:
+        cls = without_defaults[algorithm.lower()]
         required = [p.name for p in inspect.signature(cls).parameters.values() if p.default is p.empty]
         raise ValueError(
             f"model.algorithm={algorithm!r}: {cls.__name__} has no default for {', '.join(required)}; choose it by "
             f"class with its settings: algorithm: {{class_path: {cls.__name__}, init_args: {{{required[0]}: ...}}}} "
-            f"(configs/{algorithm.lower()}.yaml has one)."
+            f"(--config {cls.__name__.lower()} sets one)."
         )
+    by_lowercase = {cls.__name__.lower(): name for name, cls in ALGORITHMS.items()} | {
+        name: name for name in ALGORITHMS
+    }
+    known = by_lowercase.get(algorithm.lower())  # another case, or the class's name: DrGRPO is dr_grpo
     names = [*ALGORITHMS, *(cls.__name__ for cls in PRESETS)]
-    close = [algorithm.lower()] if algorithm.lower() in ALGORITHMS else difflib.get_close_matches(algorithm, names, n=1)
-    guess = f"did you mean {close[0]}? " if close else ""
+    guess = f"did you mean {known}? " if known is not None else did_you_mean(algorithm, names)
     raise ValueError(
         f"model.algorithm={algorithm!r} is not known; {guess}choose a name for a preset's defaults "
         f"({', '.join(ALGORITHMS)}), a preset class to change its settings "
