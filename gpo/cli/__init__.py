@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[args[0]][0](args[1:])
         return
     if args[0] not in SUBCOMMANDS and not args[0].startswith("-"):
-        guess = did_you_mean(args[0], [*SUBCOMMANDS, *COMMANDS]).strip()
+        guess = did_you_mean(args[0], [*SUBCOMMANDS, *COMMANDS])
         raise ValueError(f"unknown command {args[0]!r}" + (f"; {guess}" if guess else ""))
     from gpo.cli.fit import GPOCLI
     from gpo.train.data import PromptDataModule

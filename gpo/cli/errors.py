@@ -72,6 +72,7 @@ _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
+_NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
 _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 #: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
@@ -93,8 +94,8 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     key, problem, unknown = _key_and_problem(message)
     rejected_value = None if unknown else _GOT_VALUE.search(message)
     source = _file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
-    if problem.endswith(" is not set"):
-        lines = [_unset(problem.removesuffix(" is not set"), source, config_files)]
+    if key is not None and not unknown and message.rstrip().endswith(_NO_VALUE):
+        lines = [_unset(key.replace(".init_args.", "."), source, config_files)]
     else:
         lines = [problem, *([f"(set in {source})"] if source is not None else [])]
     known = dict(known or {})
@@ -158,8 +159,6 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     if group is None:
         return None, _first_reason(message), False
     shown = group.replace(".init_args.", ".")  # as it is written on the command line
-    if message.rstrip().endswith("Given value: None"):
-        return group, f"{shown} is not set", False
     reason = _first_reason(message)
     return group, reason if reason.startswith(group) else f"{shown}: {reason}", False
 
@@ -213,7 +212,7 @@ def _algorithm_hints(message: str) -> list[str]:
             f"{name} is a preset by name, with its defaults; to change a setting choose its class: "
             f"--model.algorithm {cls} --model.algorithm.{nested.group(1)} VALUE (or class_path: {cls} in YAML)."
         ]
-    guess = did_you_mean(name, [cls.__name__ for cls in PRESETS]).strip()
+    guess = did_you_mean(name, [cls.__name__ for cls in PRESETS])
     return [guess] if guess else []
 
 
@@ -229,10 +228,10 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
         group = group.removesuffix(".init_args")
     owner = known.get(group)
     if owner is None and "." not in group:  # a misspelt top-level group: modle.group_size
-        guess = did_you_mean(group, {k.split(".")[0] for k in known}, "{}." + name).strip()
+        guess = did_you_mean(group, {k.split(".")[0] for k in known}, "{}." + name)
         return [guess] if guess else []
     choices = _parameters(owner) if owner is not None else []
-    guess = did_you_mean(name, choices, group + ".{}").strip()
+    guess = did_you_mean(name, choices, group + ".{}")
     if guess:
         return [guess]
     return [f"{group} takes: {', '.join(choices)}."] if choices else []

@@ -52,7 +52,7 @@ def export_checkpoint(
     from gpo.models.loading import LoraSettings, check_pretrained_folder, load_policy, load_tokenizer
     from gpo.train.checkpointing import load_checkpoint_file
 
-    settings = run_settings(Path(config))
+    settings = _run_settings(Path(config))
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (gpo export CONFIG CKPT OUT).")
     if not merge and settings.get("trainer_mode", "full") == "full":
@@ -79,7 +79,7 @@ def export_checkpoint(
     return export_policy(model, tokenizer, folder, merge=merge)
 
 
-def run_settings(config: Path) -> dict:
+def _run_settings(config: Path) -> dict:
     """The ``model`` settings of a run's ``config.yaml``, or an error that says what ``gpo export`` expected."""
     import yaml
 

@@ -37,7 +37,8 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
     path = Path(path)
     if not path.exists():
-        guess = closest_file(path).replace("? ", "? Otherwise ")
+        guess = closest_file(path)
+        guess += " Otherwise " if guess else ""
         raise FileNotFoundError(
             f"data path {str(path)!r} does not exist; {guess}give a .jsonl/.json/.parquet/.csv file."
         )
@@ -58,10 +59,10 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     try:
         return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as err:
-        raise ValueError(f"{path} could not be read: {unreadable_reason(path, err)}") from None
+        raise ValueError(f"{path} could not be read: {_unreadable_reason(path, err)}") from None
 
 
-def unreadable_reason(path: Path, error: BaseException) -> str:
+def _unreadable_reason(path: Path, error: BaseException) -> str:
     """Why ``datasets`` could not read ``path``, in one line: for a JSONL file, its first line that is not one JSON
     value (found by reading the file again, only once loading has failed); otherwise the innermost error's text
     (``datasets`` wraps the parser's error in a generic one)."""

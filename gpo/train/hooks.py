@@ -37,7 +37,7 @@ class RolloutCallback(Callback):
         hooks = [name for name in dir(RolloutCallback) if name.startswith("on_")]
         for name, value in vars(cls).items():
             if name.startswith("on_") and callable(value) and name not in hooks:
-                guess = did_you_mean(name, hooks).strip()
+                guess = did_you_mean(name, hooks)
                 hint = f"; {guess}" if guess else f"; the rollout hooks are {ROLLOUT_HOOKS}."
                 raise TypeError(f"{cls.__name__}.{name} is not a hook of Lightning's Callback or RolloutCallback{hint}")
 
