@@ -149,10 +149,9 @@ def floor(args: argparse.Namespace) -> None:
     model = get_peft_model(module.model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     batch = next(iter(data.val_dataloader()))
-    from gpo.rollout.hf import left_pad
+    from gpo.rollout.hf import grouped_prompts
 
-    ids, mask = left_pad(batch["prompt_ids"], tokenizer.pad_token_id)
-    ids, mask = ids.repeat_interleave(args.group, 0), mask.repeat_interleave(args.group, 0)  # [B, P]
+    ids, mask, _ = grouped_prompts(batch["prompt_ids"], args.group, tokenizer.pad_token_id)  # [B, P]
     phases = {"generate": [], "reference": [], "train": []}
     for step in range(args.steps + 1):
         torch.manual_seed(step)

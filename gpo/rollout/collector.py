@@ -113,10 +113,8 @@ class Collector:
         )
         rollout = generated.to(self.device)
         rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        rollout.completions = self.tokenizer.batch_decode(
-            rollout.completion_ids.masked_fill(rollout.completion_mask == 0, pad), skip_special_tokens=True
-        )
+        # padding is the engine's pad token, a special token (RolloutEngine.generate): decoding skips it
+        rollout.completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rollout.fields |= {key: [v for v in values for _ in range(n)] for key, values in batch["fields"].items()}
         return rollout
 

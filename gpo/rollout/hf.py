@@ -15,20 +15,27 @@ from gpo.parallel.fsdp import sampling_mode
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> ``ids[N, P]`` left-padded with ``pad_id`` and ``mask[N, P]`` (each built from one list: no
-    per-row tensor)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
-    return ids, mask
+def grouped_prompts(
+    prompt_ids: list[list[int]], n: int, pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each prompt's token list ``n`` times in a row, as ``ids[B, P]`` left-padded with ``pad_id``, ``mask[B, P]``
+    and ``group[B]`` (the prompt's index), ``B = n * len(prompt_ids)``, on ``device``: ids and mask are built on the
+    host from lists as one ``[2, B, P]`` tensor and copied to the device at once (no per-row tensor, no repeat)."""
+    width = max(len(s) for s in prompt_ids)
+    ids = [[pad_id] * (width - len(s)) + list(s) for s in prompt_ids for _ in range(n)]
+    mask = [[0] * (width - len(s)) + [1] * len(s) for s in prompt_ids for _ in range(n)]
+    both = torch.tensor([ids, mask], dtype=torch.long).to(device)  # [2, B, P]
+    group = torch.arange(len(ids), device=device) // n  # [B]
+    return both[0], both[1], group
 
 
 def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
-    """``mask[B, T]`` of generated tokens up to and including the first EOS, and ``truncated[B]`` (no EOS)."""
-    is_eos = completion_ids == eos_id
-    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    return (~after_eos).long(), ~is_eos.any(1)
+    """``mask[B, T]`` of generated tokens up to and including the first EOS, and ``truncated[B]`` (no EOS): with
+    ``seen[t]`` the EOS tokens at positions ``<= t``, a token is kept while ``seen[t] <= is_eos[t]`` (0 before the
+    first EOS, 1 on it, more than ``is_eos`` after it)."""
+    is_eos = (completion_ids == eos_id).long()
+    seen = is_eos.cumsum(1)  # [B, T]
+    return (seen <= is_eos).long(), seen[:, -1] == 0
 
 
 class HFEngine(RolloutEngine):
@@ -84,9 +91,7 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine.generate called before setup(policy, tokenizer).")
         sampling = sampling or self.sampling
         device = self.policy.device
-        ids, mask = left_pad(prompt_ids, self.pad_id)
-        ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)  # [B, P]
-        group = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # [B]
+        ids, mask, group = grouped_prompts(prompt_ids, n, self.pad_id, device)  # [B, P], [B, P], [B]
         step = self.batch_size or ids.shape[0]
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else None
         # Sampled in inference mode (no_grad under FSDP2), whose tensors may not be saved for backward: none leaves

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.envs.base import Environment, Episodes, LocalEpisodes, Step
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
-from gpo.rollout.hf import left_pad
+from gpo.rollout.hf import grouped_prompts
 from gpo.rollout.token_lists import prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,7 @@ class MultiTurnEngine(RolloutEngine):
 
     def _rollout(self, prompt_ids: list[list[int]], n: int, episodes: list[Episode], logprobs: bool) -> Rollout:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        ids, mask = left_pad(prompt_ids, pad_id)
-        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # [B, P]
+        ids, mask, group = grouped_prompts(prompt_ids, n, pad_id)  # [B, P], [B, P], [B]
         size, width = len(episodes), max(1, max(len(e.ids) for e in episodes))
         completion = torch.full((size, width), pad_id, dtype=torch.long)  # [B, T]
         turn_index = torch.full((size, width), ENV_TOKEN, dtype=torch.long)  # [B, T]
@@ -222,7 +221,7 @@ class MultiTurnEngine(RolloutEngine):
         return Rollout(
             ids, mask, completion, completion_mask,
             truncated=torch.tensor([not e.done for e in episodes]),
-            group=torch.arange(len(prompt_ids)).repeat_interleave(n),  # [B]
+            group=group,
             logp=logp if logprobs else None,
             loss_mask=(turn_index != ENV_TOKEN).long(),
             turn_rewards=turn_rewards,

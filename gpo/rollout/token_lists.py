@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gpo.rollout.base import Rollout
-from gpo.rollout.hf import left_pad
+from gpo.rollout.hf import grouped_prompts
 
 
 def prompt_seeds(seed: int | None, count: int) -> list[int | None]:
@@ -31,8 +31,7 @@ def rollout_from_token_lists(
     mask, ``logp`` 0 on padding, ``truncated`` where a completion does not end with EOS."""
     if len(completions) != len(prompt_ids) * n:
         raise ValueError(f"{len(completions)} completions for {len(prompt_ids)} prompts x n={n}.")
-    ids, mask = left_pad(prompt_ids, pad_id)
-    ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # [B, P]
+    ids, mask, group = grouped_prompts(prompt_ids, n, pad_id)  # [B, P], [B, P], [B]
     width = max(1, max(len(c) for c in completions))
     completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # [B, T]
     completion_mask = torch.zeros((len(completions), width), dtype=torch.long)  # [B, T]
@@ -43,5 +42,4 @@ def rollout_from_token_lists(
         if logp is not None:
             logp[row, : len(tokens)] = torch.tensor(logps[row], dtype=torch.float32)
     truncated = torch.tensor([not tokens or tokens[-1] != eos_id for tokens in completions])  # [B]
-    group = torch.arange(len(prompt_ids)).repeat_interleave(n)  # [B]
     return Rollout(ids, mask, completion_ids, completion_mask, truncated, group, logp=logp)

@@ -25,20 +25,23 @@ def step_metrics(
     ``reward/mixed_mean`` is the mean of what the advantages were computed from (the mixer's output, plus a KL
     penalty placed in the reward)."""
     lengths, scores, mask = step["lengths"].float(), step["scores"], step["mask"]
-    w = scores.new_tensor(list(weights)) if weights is not None else scores.new_ones(scores.shape[1])  # [K]
-    reward = scores @ w  # [B]
+    reward = scores.sum(1) if weights is None else scores @ scores.new_tensor(list(weights))  # [B]
+    rows = torch.stack([reward, step["reward"].float(), lengths, step["truncated"].float()])  # [4, B]
+    means = rows.mean(1)  # [4]: one reduction for the four row means
+    token_means = (torch.stack([adv, adv.abs()]) * mask).sum((1, 2)) / mask.sum().clamp_min(1)  # [2]
     metrics = {
-        "reward/mean": reward.mean(),
+        "reward/mean": means[0],
         "reward/std": reward.std() if len(reward) > 1 else reward.new_zeros(()),
-        "reward/mixed_mean": step["reward"].mean(),
-        "completion/len_mean": lengths.mean(),
+        "reward/mixed_mean": means[1],
+        "completion/len_mean": means[2],
         "completion/len_max": lengths.max(),
-        "completion/truncated_frac": step["truncated"].mean(),
-        "adv/mean": (adv * mask).sum() / mask.sum().clamp_min(1),
-        "adv/abs_mean": (adv.abs() * mask).sum() / mask.sum().clamp_min(1),
+        "completion/truncated_frac": means[3],
+        "adv/mean": token_means[0],
+        "adv/abs_mean": token_means[1],
     }
+    column_means = scores.mean(0)  # [K]
     for k, fn in enumerate(rewards):
-        metrics[f"reward/{reward_name(fn)}"] = scores[:, k].mean()
+        metrics[f"reward/{reward_name(fn)}"] = column_means[k]
     return metrics
 
 

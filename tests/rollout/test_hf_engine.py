@@ -3,7 +3,7 @@ import torch
 
 from gpo.models.scorer import position_ids, score_tokens
 from gpo.rollout import HFEngine, Sampling
-from gpo.rollout.hf import completion_mask, left_pad
+from gpo.rollout.hf import completion_mask, grouped_prompts
 from gpo.testing import char_tokenizer, tiny_model
 
 
@@ -24,13 +24,18 @@ def naive_logprobs(model, input_ids, attention_mask, length, temperature):
     return logp.gather(-1, input_ids[:, -length:, None])[..., 0]
 
 
-def test_left_pad_and_completion_mask_hand_worked():
-    ids, mask = left_pad([[5, 6], [7]], pad_id=0)
-    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
-    # EOS = 1: row 0 ends at position 1 (EOS kept in the mask), row 1 has no EOS (truncated), row 2 EOS first
-    mask, truncated = completion_mask(torch.tensor([[4, 1, 0, 0], [4, 5, 6, 7], [1, 0, 0, 0]]), eos_id=1)
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert truncated.tolist() == [False, True, False]
+def test_grouped_prompts_and_completion_mask_hand_worked():
+    ids, mask, group = grouped_prompts([[5, 6], [7]], 2, pad_id=0)
+    assert ids.tolist() == [[5, 6], [5, 6], [0, 7], [0, 7]] and mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
+    assert group.tolist() == [0, 0, 1, 1]
+    ids, mask, group = grouped_prompts([[3], [8, 9, 4], [2, 2]], 1, pad_id=1)
+    assert ids.tolist() == [[1, 1, 3], [8, 9, 4], [1, 2, 2]] and group.tolist() == [0, 1, 2]
+    # EOS = 1: row 0 ends at position 1 (EOS kept in the mask), row 1 has no EOS (truncated), row 2 EOS first, row 3
+    # a second EOS after the first, row 4 EOS last
+    completions = [[4, 1, 0, 0], [4, 5, 6, 7], [1, 0, 0, 0], [3, 1, 1, 1], [3, 3, 3, 1]]
+    mask, truncated = completion_mask(torch.tensor(completions), eos_id=1)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, True, False, False, False]
 
 
 def test_generates_n_grouped_samples_with_masks_and_logprobs(policy_and_tokenizer):

@@ -6,12 +6,14 @@ import struct
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from tensorboardX.proto import event_pb2
 
 from gpo.train import loggers
 from gpo.train.loggers import default_loggers
+from gpo.train.metrics import step_metrics
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 STEPS = 7
@@ -133,3 +135,44 @@ def test_a_resumed_run_continues_the_version_that_trained_not_a_newer_validation
     assert resumed == [0, 0] and default_loggers(str(tmp_path))[0].version == 3
     (logs / "version_0/metrics.csv").unlink()
     assert default_loggers(str(tmp_path), resume=True)[0].version == 2  # nothing trained: the newest, as before
+
+
+def correct(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def brief(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_step_metrics_hand_worked():
+    """Three rows, two reward functions weighted 1 and 0.5; the advantages and mask written out by hand."""
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # weighted sums: 1, 0.5, 1.5
+    step = {
+        "scores": scores,
+        "reward": torch.tensor([0.2, 0.4, 0.9]),  # what the advantages came from (a mixer's output)
+        "lengths": torch.tensor([3, 1, 2]),
+        "truncated": torch.tensor([1.0, 0.0, 0.0]),
+        "mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+    }
+    adv = torch.tensor([[0.5, 0.5, 0.5], [-2.0, 9.0, 9.0], [1.0, -1.0, 7.0]])  # 9 and 7 lie outside the mask
+    got = {k: v.item() for k, v in step_metrics(step, adv, [correct, brief], [1.0, 0.5]).items()}
+    expected = {
+        "reward/mean": 1.0,
+        "reward/std": 0.5,  # sample std of 1, 0.5, 1.5
+        "reward/mixed_mean": 0.5,
+        "completion/len_mean": 2.0,
+        "completion/len_max": 3.0,
+        "completion/truncated_frac": 1 / 3,
+        "adv/mean": (1.5 - 2.0 + 0.0) / 6,
+        "adv/abs_mean": (1.5 + 2.0 + 2.0) / 6,
+        "reward/correct": 2 / 3,
+        "reward/brief": 2 / 3,
+    }
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+    unweighted = step_metrics(step, adv, [correct, brief], None)  # weighted sums 1, 1, 2
+    assert unweighted["reward/mean"].item() == pytest.approx(4 / 3)
+    single = step_metrics({k: v[:1] for k, v in step.items()}, adv[:1], [correct, brief], None)
+    assert single["reward/std"].item() == 0.0  # one row: no spread, not NaN
