@@ -42,8 +42,7 @@ def config_path(value: str, argument: str = "--config") -> str:
     name = value.removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
         return str(shipped[name])
-    guess = did_you_mean(name, shipped)
-    guess += " Otherwise " if guess else ""
+    guess = did_you_mean(name, shipped, then=" Otherwise ")
     raise FileNotFoundError(
         f"{argument} {value}: no such file here, and gpo ships no config of that name; {guess}give a YAML file's path "
         f"or one of: {', '.join(shipped)}."
@@ -52,8 +51,7 @@ def config_path(value: str, argument: str = "--config") -> str:
 
 def _missing_file(path: Path, argument: str) -> FileNotFoundError:
     """The error for a config path that names nothing, with the closest YAML file of its folder."""
-    guess = closest_file(path, "*.y*ml")
-    guess += " " if guess else ""
+    guess = closest_file(path, "*.y*ml", then=" ")
     where = "" if path.parent.is_dir() else f" (no folder {path.parent})"
     return FileNotFoundError(
         f"{argument} {path}: no such file{where}; {guess}a shipped config can also be given by name, e.g. "

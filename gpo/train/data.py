@@ -37,8 +37,7 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
     path = Path(path)
     if not path.exists():
-        guess = closest_file(path)
-        guess += " Otherwise " if guess else ""
+        guess = closest_file(path, then=" Otherwise ")
         raise FileNotFoundError(
             f"data path {str(path)!r} does not exist; {guess}give a .jsonl/.json/.parquet/.csv file."
         )

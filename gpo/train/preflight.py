@@ -266,5 +266,4 @@ def check_run(module, trainer) -> None:
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
         fsdp.check_strategy(trainer.strategy)
-        policy_device = next(module.model.parameters()).device
-        warn_if_sampling_on_cpu(module.feed.sampler_process, policy_device, trainer.strategy.root_device)
+        warn_if_sampling_on_cpu(module.feed.sampler_process, module.model.device, trainer.strategy.root_device)

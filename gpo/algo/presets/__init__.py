@@ -57,8 +57,7 @@ def preset(algorithm: Algorithm | str) -> Algorithm:
     }
     known = by_lowercase.get(algorithm.lower())  # another case, or the class's name: DrGRPO is dr_grpo
     names = [*ALGORITHMS, *(cls.__name__ for cls in PRESETS)]
-    guess = f"did you mean {known}?" if known is not None else did_you_mean(algorithm, names)
-    guess += " " if guess else ""
+    guess = f"did you mean {known}? " if known is not None else did_you_mean(algorithm, names, then=" ")
     raise ValueError(
         f"model.algorithm={algorithm!r} is not known; {guess}choose a name for a preset's defaults "
         f"({', '.join(ALGORITHMS)}), a preset class to change its settings "
