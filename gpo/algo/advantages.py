@@ -96,7 +96,7 @@ class LeaveOneOutAdvantage(AdvantageEstimator):
         count = group_sum(torch.ones_like(reward), index, n_groups)  # [B]
         total = group_sum(reward, index, n_groups)  # [B]
         baseline = (total - reward) / (count - 1).clamp_min(1)  # [B]
-        adv = torch.where(count > 1, reward - baseline, torch.zeros_like(reward))
+        adv = torch.where(count > 1, reward - baseline, 0.0)
         return _broadcast(adv, mask)
 
 
@@ -165,5 +165,5 @@ class RankAdvantage(AdvantageEstimator):
         tied = (reward[None, :] == reward[:, None]) & same_group  # [B, B], includes i itself
         rank = below.sum(1).to(reward.dtype) + (tied.sum(1).to(reward.dtype) - 1) / 2  # [B], average rank
         count = same_group.sum(1).to(reward.dtype)  # [B]
-        adv = torch.where(count > 1, 2 * rank / (count - 1).clamp_min(1) - 1, torch.zeros_like(reward))
+        adv = torch.where(count > 1, 2 * rank / (count - 1).clamp_min(1) - 1, 0.0)
         return _broadcast(adv, mask)

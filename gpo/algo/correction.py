@@ -43,12 +43,12 @@ class RolloutCorrection:
     def __call__(self, train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """``train_logp``, ``rollout_logp``, ``mask`` ``[B, T]`` -> ``(weight[B, T], metrics)``."""
         with torch.no_grad():
-            diff = torch.where(mask.bool(), train_logp - rollout_logp, torch.zeros_like(train_logp))  # [B, T]
+            diff = torch.where(mask.bool(), train_logp - rollout_logp, 0.0)  # [B, T]
             if self.level == "sequence":
                 diff = masked_sum(diff, mask, dim=-1)[:, None].expand_as(train_logp)
             w = diff.exp()
             weight = w.clamp(max=self.cap) if self.mode == "tis" else (w <= self.cap).to(w.dtype)
-            weight = torch.where(mask.bool(), weight, torch.zeros_like(weight))
+            weight = torch.where(mask.bool(), weight, 0.0)
             metrics = {
                 "correction/weight_mean": masked_mean(weight, mask),
                 "correction/capped_frac": masked_mean((w > self.cap).float(), mask),
@@ -60,7 +60,7 @@ class RolloutCorrection:
 def mismatch_metrics(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far the rollout engine's log-probs are from the trainer's: max/mean |diff| and a k3 KL estimate."""
     with torch.no_grad():
-        d = torch.where(mask.bool(), rollout_logp - train_logp, torch.zeros_like(train_logp))
+        d = torch.where(mask.bool(), rollout_logp - train_logp, 0.0)
         stats = masked_stats(d.abs(), mask)
         return {
             "mismatch/abs_diff_max": stats["max"],

@@ -46,6 +46,6 @@ class TeacherKL:
     def __call__(self, adv: Tensor, logp: Tensor, mask: Tensor, *, teacher_logp: Tensor) -> tuple[Tensor, Metrics]:
         """``adv``, ``logp``, ``mask``, ``teacher_logp`` ``[B, T]`` -> ``(A'[B, T], metrics)``, ``A'`` 0 on padding."""
         on = mask.bool()
-        kl = torch.where(on, logp.detach() - teacher_logp.detach(), torch.zeros_like(adv))  # [B, T]
-        base = torch.zeros_like(adv) if self.replace else torch.where(on, adv, torch.zeros_like(adv))  # [B, T]
+        kl = torch.where(on, logp.detach() - teacher_logp.detach(), 0.0)  # [B, T]
+        base = 0.0 if self.replace else torch.where(on, adv, 0.0)  # [B, T]
         return base - self.coef * kl, {"distill/reverse_kl": masked_mean(kl, mask)}

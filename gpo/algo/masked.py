@@ -10,7 +10,7 @@ from torch import Tensor
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of ``x`` where ``mask`` is set; entries outside the mask never reach the result (not even NaN)."""
-    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    x = torch.where(mask.bool(), x, 0)
     return x.sum() if dim is None else x.sum(dim)
 
 
@@ -63,10 +63,10 @@ def group_mean_std(x: Tensor, group: Tensor, unbiased: bool = False) -> tuple[Te
     mean = group_sum(x, index, n_groups) / count  # [B]
     sq_dev = group_sum((x - mean) ** 2, index, n_groups)  # [B]
     dof = (count - 1).clamp_min(1) if unbiased else count
-    std = torch.where(count > 1, (sq_dev / dof).sqrt(), torch.zeros_like(x))
+    std = torch.where(count > 1, (sq_dev / dof).sqrt(), 0.0)
     return mean, std, count
 
 
 def safe_divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
     """``num / den`` where ``den > eps``, else 0: a spread at or below ``eps`` counts as no spread at all."""
-    return torch.where(den > eps, num / den.clamp_min(eps), torch.zeros_like(num))
+    return torch.where(den > eps, num / den.clamp_min(eps), 0.0)

@@ -67,7 +67,7 @@ class OffPolicySequenceMask(TokenMask):
     def __call__(self, mask: Tensor, *, logp: Tensor, old_logp: Tensor, adv: Tensor) -> tuple[Tensor, Metrics]:
         with torch.no_grad():
             on = mask.bool()
-            log_ratio = torch.where(on, old_logp - logp, torch.zeros_like(logp))  # [B, T], log(pi_old / pi)
+            log_ratio = torch.where(on, old_logp - logp, 0.0)  # [B, T], log(pi_old / pi)
             seq_kl = sequence_mean(log_ratio, mask)  # [B]
             dropped = on & (adv < 0) & (seq_kl > self.threshold)[:, None]  # [B, T]
             metrics = {
@@ -149,7 +149,7 @@ class MismatchBandMask(TokenMask):
     def __call__(self, mask: Tensor, *, train_logp: Tensor, rollout_logp: Tensor) -> tuple[Tensor, Metrics]:
         with torch.no_grad():
             on = mask.bool()
-            ratio = torch.where(on, train_logp - rollout_logp, torch.zeros_like(train_logp)).exp()  # [B, T]
+            ratio = torch.where(on, train_logp - rollout_logp, 0.0).exp()  # [B, T]
             inside = (ratio >= self.low) & (ratio <= self.high)  # [B, T]
             return on & inside, {"mask/mismatch_frac": fraction(on & ~inside, mask)}
 

@@ -76,7 +76,7 @@ class PolicyObjective:
         metrics: Metrics = {}
         for token_mask in self.step_masks:
             keep, mask_metrics = token_mask(mask, **_pick(token_mask, {"adv": adv, **inputs}))
-            mask, metrics = torch.where(keep, mask, torch.zeros_like(mask)), {**metrics, **mask_metrics}  # [B, T]
+            mask, metrics = torch.where(keep, mask, 0), {**metrics, **mask_metrics}  # [B, T]
         return mask, metrics
 
     def weigh(self, adv: Tensor, mask: Tensor, **inputs: Tensor) -> Tensor:
@@ -84,7 +84,7 @@ class PolicyObjective:
         weights require. Without scaling weights, ``adv`` itself."""
         for weight in self.scaling:
             w = weight(mask, **{name: inputs[name] for name in weight.requires})
-            adv = torch.where(mask.bool(), adv * w, torch.zeros_like(adv))
+            adv = torch.where(mask.bool(), adv * w, 0.0)
         return adv
 
     def __call__(
@@ -112,7 +112,7 @@ class PolicyObjective:
         kept = mask
         for token_mask in self.update_masks:
             keep, mask_metrics = token_mask(kept, **_pick(token_mask, given))
-            kept, metrics = torch.where(keep, kept, torch.zeros_like(kept)), {**metrics, **mask_metrics}  # [B, T]
+            kept, metrics = torch.where(keep, kept, 0), {**metrics, **mask_metrics}  # [B, T]
         per_token, gate_metrics = self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given))
         metrics = {**metrics, **gate_metrics}
         if self.kl is not None:

@@ -117,7 +117,7 @@ class KLPenalty:
             kl = ((wide - old).exp() * kl_estimate(wide, ref_logp.double(), self.estimator, self.bound)).to(logp.dtype)
         else:
             kl = kl_estimate(logp, ref_logp, self.estimator, self.bound)  # [B, T]
-        kl = torch.where(on, kl, torch.zeros_like(kl))  # [B, T]
+        kl = torch.where(on, kl, 0.0)  # [B, T]
         return self.beta * kl, {"kl/mean": masked_mean(kl, mask).detach()}
 
     def reward_penalty(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
@@ -218,7 +218,7 @@ class EntropyBonus:
         return self.adaptive.coef if self.adaptive is not None else self.coef
 
     def loss_term(self, entropy: Tensor, mask: Tensor) -> Tensor:
-        return torch.where(mask.bool(), -self.current * entropy, torch.zeros_like(entropy))
+        return torch.where(mask.bool(), -self.current * entropy, 0.0)
 
     def observe(self, entropy: float) -> dict[str, float]:
         """End of an RL step: the adaptive controller sees the step's mean token entropy; returns the coefficient

@@ -48,7 +48,7 @@ def turn_advantage(credit: Tensor, valid: Tensor, group: Tensor, beta: float) ->
 def spread_over_tokens(per_turn: Tensor, turn_index: Tensor) -> Tensor:
     """``[B, K] -> [B, T]``: each policy token gets its turn's value, environment tokens and padding 0."""
     picked = per_turn.gather(1, turn_index.clamp_min(0))  # [B, T]
-    return torch.where(turn_index >= 0, picked, torch.zeros_like(picked))
+    return torch.where(turn_index >= 0, picked, 0.0)
 
 
 class StepRewards:

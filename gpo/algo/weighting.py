@@ -55,4 +55,4 @@ class ReferenceProbWeight(TokenWeight):
 
     def __call__(self, mask: Tensor, *, ref_logp: Tensor) -> Tensor:
         weight = -torch.expm1(ref_logp.detach())  # 1 - pi_ref, accurate near pi_ref = 1
-        return torch.where(mask.bool(), weight, torch.zeros_like(weight))
+        return torch.where(mask.bool(), weight, 0.0)

@@ -62,7 +62,7 @@ class LocalTeacher(Teacher):
         width, ids, attn = rollout.completion_ids.shape[1], rollout.input_ids, rollout.attention_mask
         logp = score_tokens(self.model, ids, attn, width, temperature=1.0).logp
         reshard(self.model)  # FSDP2: a frozen model's root unit is not kept gathered
-        return torch.where(rollout.completion_mask.bool(), logp.float(), torch.zeros_like(logp, dtype=torch.float32))
+        return torch.where(rollout.completion_mask.bool(), logp.float(), 0.0)
 
 
 class ServerTeacher(Teacher):
@@ -114,4 +114,4 @@ class ServerTeacher(Teacher):
         for row, values in enumerate(scored):
             logp[row, kept[row]] = torch.tensor([0.0, *values])  # the first token has no log-prob
         logp = logp[:, -rollout.completion_ids.shape[1] :].to(rollout.completion_ids.device)  # [B, T]
-        return torch.where(rollout.completion_mask.bool(), logp, torch.zeros_like(logp))
+        return torch.where(rollout.completion_mask.bool(), logp, 0.0)

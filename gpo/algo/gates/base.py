@@ -37,12 +37,12 @@ class RatioGate(ABC):
 
 def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """``log(pi / pi_old)`` per token ``[B, T]``, exactly 0 on padding so no inf/NaN can start there."""
-    return torch.where(mask.bool(), logp - old_logp.detach(), torch.zeros_like(logp))
+    return torch.where(mask.bool(), logp - old_logp.detach(), 0.0)
 
 
 def masked_loss(loss: Tensor, mask: Tensor) -> Tensor:
     """Zero the loss outside the mask (with ``where``, so a NaN on padding cannot leak into the sum)."""
-    return torch.where(mask.bool(), loss, torch.zeros_like(loss))
+    return torch.where(mask.bool(), loss, 0.0)
 
 
 def ratio_metrics(log_ratio: Tensor, mask: Tensor) -> Metrics:

@@ -96,7 +96,7 @@ class DivergenceMaskGate(RatioGate):
         div = self.divergence(logp.detach(), old_logp.detach(), topk_logp, old_topk_logp)  # [B, T]
         pushing_out = ((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0))
         dropped = (div > self.threshold) & pushing_out & mask.bool()
-        loss = torch.where(dropped, torch.zeros_like(ratio), -adv * ratio)
+        loss = torch.where(dropped, 0.0, -adv * ratio)
         metrics = ratio_metrics(log_ratio, mask)
         metrics["dppo/masked_frac"] = fraction(dropped, mask)
         metrics["dppo/divergence_mean"] = masked_mean(div, mask).detach()

@@ -58,7 +58,7 @@ class SequenceClipGate(RatioGate):
         seq_ratio = sequence_mean(log_ratio, mask).exp()  # [B]
         if self.per_token_advantage:
             # value s_i, gradient sg(s_i) * grad log pi(o_t)
-            real_logp = torch.where(mask.bool(), logp, torch.zeros_like(logp))
+            real_logp = torch.where(mask.bool(), logp, 0.0)
             ratio = seq_ratio.detach()[:, None] * (real_logp - real_logp.detach()).exp()  # [B, T]
             seq_adv = adv
         else:
