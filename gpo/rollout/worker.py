@@ -25,12 +25,14 @@ class RolloutWorkerDied(RuntimeError):
 
 class ProcessEngine(RolloutEngine):
     """Runs ``engine`` (one that samples from the module it is set up with, such as ``HFEngine``) in a spawned worker
-    process, on a copy of the policy whose parameters live in shared memory.
+    process, on a copy of the policy that both processes map: in shared memory on the CPU, through CUDA IPC on a GPU.
 
-    ``setup`` copies the policy once into shared memory and starts the worker; ``update_weights`` copies new values
-    of the trainable parameters into that copy (names as in the policy's ``named_parameters``), which the worker sees
-    at once: call it only between ``generate`` calls, from the thread that calls ``generate`` (the rollout pipeline
-    does both from its sampler thread). A worker that dies is reported (pid and exit code) instead of waited on.
+    The worker starts at the first ``generate`` or ``update_weights``, with a copy of the policy made where the
+    policy is then: Lightning moves the policy to its device after ``setup``, so a GPU run's worker samples on that
+    GPU. ``update_weights`` copies new values of the trainable parameters into the copy (names as in the policy's
+    ``named_parameters``), which the worker sees as soon as the copy is done: call it only between ``generate``
+    calls, from the thread that calls ``generate`` (the rollout pipeline does both from its sampler thread). Rollouts
+    come back on the CPU. A worker that dies is reported (pid and exit code) instead of waited on.
 
     Args:
         engine: the engine to run in the worker; it must share the policy's weights (``shares_policy_weights``).
@@ -45,18 +47,28 @@ class ProcessEngine(RolloutEngine):
         if threads < 1:
             raise ValueError(f"threads={threads} must be >= 1 (torch threads of the rollout worker).")
         self.engine, self.threads, self.sampling = engine, threads, engine.sampling
+        self.policy: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.copy: PreTrainedModel | None = None  # the worker's policy; kept here while the worker maps it
+        self.parameters: dict[str, Tensor] = {}
         self.process: Any = None
         self.connection: Connection | None = None
-        self.parameters: dict[str, Tensor] = {}
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-        copied = copy.deepcopy(policy).requires_grad_(False)
-        copied.share_memory()  # the worker maps these very storages: an update is a copy, not a transfer
-        self.parameters = dict(copied.named_parameters())
+        self.policy, self.tokenizer = policy, tokenizer
+
+    def _start(self) -> None:
+        if self.policy is None:
+            raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
+        self.copy = copy.deepcopy(self.policy).requires_grad_(False)
+        # The worker maps these very storages (CPU: shared memory; CUDA: IPC handles, which need the spawn start
+        # method): an update is a copy, not a transfer.
+        self.copy.share_memory()
+        self.parameters = dict(self.copy.named_parameters())
         context = torch.multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         self.process = context.Process(
-            target=serve, args=(self.engine, copied, tokenizer, self.threads, child), name="gpo-rollout-worker",
+            target=serve, args=(self.engine, self.copy, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
             daemon=True,
         )  # fmt: skip
         self.process.start()
@@ -77,13 +89,19 @@ class ProcessEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        if self.process is None:
+            self._start()
         for name, tensor in named_tensors:
             if name not in self.parameters:
                 raise KeyError(f"ProcessEngine.update_weights: the policy has no parameter {name!r}.")
             self.parameters[name].copy_(tensor)
+        devices = {p.device for p in self.parameters.values() if p.device.type == "cuda"}
+        for device in devices:  # the copies are queued on this process's stream: done before the worker reads
+            torch.cuda.synchronize(device)
 
     def close(self) -> None:
         """Stop the worker (it finishes nothing pending: callers stop calling first)."""
+        self.policy = None
         if self.process is None:
             return
         if self.process.is_alive():
@@ -94,11 +112,12 @@ class ProcessEngine(RolloutEngine):
                 self.process.kill()
                 self.process.join()
         self.connection.close()
-        self.process = self.connection = None
+        self.process = self.connection = self.copy = None
+        self.parameters = {}
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.process is None:
-            raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
+            self._start()
         try:
             self.connection.send((method, args, kwargs))
             while not self.connection.poll(POLL_S):
@@ -124,6 +143,13 @@ def serve(
     """The worker process: answer ``(method, args, kwargs)`` requests until ``None`` or the pipe closes."""
     torch.set_num_threads(threads)
     engine.setup(policy, tokenizer)
+    try:
+        answer_requests(engine, connection)
+    finally:
+        release(policy)
+
+
+def answer_requests(engine: RolloutEngine, connection: Connection) -> None:
     while True:
         try:
             request = connection.recv()
@@ -133,7 +159,15 @@ def serve(
             return
         method, args, kwargs = request
         try:
-            value = engine.generate(*args, **kwargs) if method == "generate" else None
+            value = engine.generate(*args, **kwargs).to("cpu") if method == "generate" else None
             connection.send(("ok", value))
         except Exception:  # sent to the trainer, which raises it with the worker's traceback
             connection.send(("error", traceback.format_exc()))
+
+
+def release(model: PreTrainedModel) -> None:
+    """Drop the worker's views of the policy copy's storages before it exits. On a GPU they are CUDA IPC mappings of
+    the trainer's memory, which a consumer must release while the producer lives (PyTorch's note "Sharing CUDA
+    tensors"); left to the interpreter's exit, the trainer warns that they were never released."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = torch.empty(0)

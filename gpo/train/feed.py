@@ -55,11 +55,6 @@ class RolloutFeed:
         """Whether the collection's time is spent inside the training step (it is part of the step's rollout time)."""
         return True
 
-    @property
-    def sampler_process(self) -> bool:
-        """Whether rollouts are sampled in a worker process from its own copy of the policy (``ProcessEngine``)."""
-        return False
-
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         """After the step's updates: hand ``model``'s new weights on where the sampler needs them; the step's feed
         metrics."""
@@ -116,10 +111,6 @@ class PipelinedFeed(RolloutFeed):
     @property
     def samples_on_trainer(self) -> bool:
         return False
-
-    @property
-    def sampler_process(self) -> bool:
-        return self.pipeline.worker is not None
 
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         metrics = self.pipeline.metrics(rollout, dropped, device)

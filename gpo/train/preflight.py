@@ -145,20 +145,6 @@ def warn_if_no_trust_region(updates_per_rollout: int, gate: RatioGate) -> None:
         )
 
 
-def warn_if_sampling_on_cpu(sampler_process: bool, policy_device: Any, trainer_device: Any) -> None:
-    """Pipelined ``HFEngine`` rollouts sample in a worker process from a copy of the policy made at set-up, where the
-    policy is (Lightning moves it to its device afterwards): on a GPU run that copy is on the CPU, so only training
-    uses the GPU. Measured on an H100 with the quickstart's tiny model it still learned; a real model would sample
-    many times slower than on the GPU."""
-    if sampler_process and trainer_device.type == "cuda" and policy_device.type == "cpu":
-        log.warning(
-            "model.max_off_policy_steps >= 1 with HFEngine samples in a worker process on a CPU copy of the policy "
-            "(made before the policy moves to %s): only training runs on the GPU. To sample on the GPU, set "
-            "model.max_off_policy_steps: 0, or pipeline a vLLM engine (VLLMEngine, VLLMServerEngine).",
-            trainer_device,
-        )
-
-
 def check_router_inputs(requires: frozenset[str], gate: RatioGate, model: Any) -> None:
     """An objective that reads router log-probs (``requires``: RSPO's ``RouterShiftGate``) needs a mixture-of-experts
     policy; transformers' MoE models are those whose config has ``output_router_logits``."""
@@ -266,4 +252,3 @@ def check_run(module, trainer) -> None:
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
         fsdp.check_strategy(trainer.strategy)
-        warn_if_sampling_on_cpu(module.feed.sampler_process, module.model.device, trainer.strategy.root_device)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 from gpo.rollout import Rollout, RolloutEngine, Sampling
 from gpo.rollout.base import concat_rollouts
+from gpo.rollout.hf import HFEngine
 from gpo.rollout.pipeline import RolloutPipeline
-from gpo.rollout.worker import RolloutWorkerDied
+from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied
 from gpo.train.hooks import RolloutCallback
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
@@ -89,6 +91,34 @@ class KillWorker(L.Callback):
 def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
     with pytest.raises(RolloutWorkerDied, match=r"rollout worker process \(pid \d+\) ended with exit code -9"):
         fit(workspace, 10, 1, KillWorker())
+
+
+def test_the_worker_copies_the_policy_where_it_is_at_its_first_call(workspace):
+    """The worker starts at the first call, not at set-up: Lightning moves the policy to its device in between, and
+    a GPU run's worker must sample from a copy on the GPU. Here the policy changes between set-up and the first call
+    (its output layer is zeroed): the worker's greedy completions are those of the changed policy."""
+    model, _ = workspace
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    local, worker = (
+        HFEngine(sampling=Sampling(max_new_tokens=4)),
+        ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4))),
+    )
+    local.setup(policy, tokenizer)
+    worker.setup(policy, tokenizer)
+    assert worker.process is None
+    prompt_ids = [tokenizer("12+3=")["input_ids"], tokenizer("7*8=")["input_ids"]]
+    before = local.generate(prompt_ids, 1, greedy=True, logprobs=False).completion_ids
+    with torch.no_grad():
+        policy.get_output_embeddings().weight.zero_()  # every logit 0: greedy picks token 0 everywhere
+    after = local.generate(prompt_ids, 1, greedy=True, logprobs=False).completion_ids
+    assert not torch.equal(before, after)
+    try:
+        sampled = worker.generate(prompt_ids, 1, greedy=True, logprobs=False)
+        assert worker.process is not None and sampled.completion_ids.device.type == "cpu"
+        assert torch.equal(sampled.completion_ids, after)
+    finally:
+        worker.close()
+    assert worker.process is None and worker.parameters == {}
 
 
 class OwnWeights(RolloutEngine):

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import lightning as L
 import pytest
-import torch
 import yaml
 
 from gpo.cli import main, run
@@ -18,7 +17,6 @@ from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, save_tiny_model, tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
-from gpo.train.preflight import warn_if_sampling_on_cpu
 
 CONTEXT = 256  # max_position_embeddings of gpo.testing's tiny models
 
@@ -330,22 +328,3 @@ def test_bad_python_arguments_fail_before_sampling_naming_field_and_fix(root, ar
     message = str(raised.value)
     assert case.field in message, message
     assert case.fix in message, message
-
-
-def test_pipelined_hf_sampling_on_a_cpu_copy_of_a_gpu_run_warns(caplog):
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    warn_if_sampling_on_cpu(True, cpu, gpu)  # the policy is still on the CPU when the worker copies it
-    assert "worker process on a CPU copy" in caplog.text and "max_off_policy_steps: 0" in caplog.text
-    caplog.clear()
-    for sampler_process, policy, trainer in [(False, cpu, gpu), (True, cpu, cpu), (True, gpu, gpu)]:
-        warn_if_sampling_on_cpu(sampler_process, policy, trainer)  # in step, on the CPU, or a copy already on the GPU
-    assert caplog.text == ""
-
-
-def test_only_a_pipelined_hf_engine_samples_in_a_worker_process(root):
-    for steps, expected in [(0, False), (1, True)]:
-        module = GPOModule(
-            str(root / "model"), [positional_match], engine=HFEngine(sampling=Sampling(max_new_tokens=4)),
-            max_off_policy_steps=steps, old_logprobs="rollout",
-        )  # fmt: skip
-        assert module.feed.sampler_process is expected
