@@ -140,7 +140,7 @@ def serve(
     engine: RolloutEngine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int,
     connection: Connection,
 ) -> None:  # fmt: skip
-    """The worker process: answer ``(method, args, kwargs)`` requests until ``None`` or the pipe closes."""
+    """The worker process: set up ``engine`` on the mapped copy of the policy, answer requests, release the copy."""
     torch.set_num_threads(threads)
     engine.setup(policy, tokenizer)
     try:
@@ -150,6 +150,8 @@ def serve(
 
 
 def answer_requests(engine: RolloutEngine, connection: Connection) -> None:
+    """Run ``(method, args, kwargs)`` requests on ``engine`` and send back ``("ok", value)`` or ``("error", traceback)``
+    until ``None`` or the pipe closes; rollouts are sent on the CPU."""
     while True:
         try:
             request = connection.recv()
