@@ -1,6 +1,7 @@
 """The CUDA paths: bfloat16 full fine-tuning learns, QLoRA trains only its adapter, resume agrees to float tolerance.
 
-Skipped without a CUDA device (CI has none); run on a GPU machine with ``python -m pytest -q -m gpu``."""
+Skipped without a CUDA device (CI has none); run on a GPU machine with ``python -m pytest -q -m gpu``, which also runs
+the other gpu-marked cases (the pipelined worker's CUDA copy in ``tests/train/test_pipeline.py``)."""
 
 from __future__ import annotations
 

@@ -93,10 +93,18 @@ def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
         fit(workspace, 10, 1, KillWorker())
 
 
-def test_the_worker_copies_the_policy_where_it_is_at_its_first_call(workspace):
-    """The worker starts at the first call, not at set-up: Lightning moves the policy to its device in between, and
-    a GPU run's worker must sample from a copy on the GPU. Here the policy changes between set-up and the first call
-    (its output layer is zeroed): the worker's greedy completions are those of the changed policy."""
+ON_A_GPU = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_A_GPU])
+def test_the_worker_samples_the_policy_as_it_is_at_its_first_call_and_after_each_push(workspace, device):
+    """GPOModule sets its engine up before Lightning moves the policy to its device: the worker starts at its first
+    call, copying the policy where it is then (on a GPU, a CUDA copy the worker maps). Here the policy moves to
+    ``device`` and changes after set-up (output layer zeroed: every logit 0, greedy picks token 0), then changes back
+    before a push: each time the worker's greedy completions are those of an in-process engine on the policy as it
+    is."""
     model, _ = workspace
     policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     local, worker = (
@@ -106,16 +114,26 @@ def test_the_worker_copies_the_policy_where_it_is_at_its_first_call(workspace):
     local.setup(policy, tokenizer)
     worker.setup(policy, tokenizer)
     assert worker.process is None
-    prompt_ids = [tokenizer("12+3=")["input_ids"], tokenizer("7*8=")["input_ids"]]
-    before = local.generate(prompt_ids, 1, greedy=True, logprobs=False).completion_ids
-    with torch.no_grad():
-        policy.get_output_embeddings().weight.zero_()  # every logit 0: greedy picks token 0 everywhere
-    after = local.generate(prompt_ids, 1, greedy=True, logprobs=False).completion_ids
-    assert not torch.equal(before, after)
+    prompt_ids = [tokenizer(text)["input_ids"] for text in ("12+3=", "7*8=", "99-1=")]
+
+    def greedy(engine):
+        return engine.generate(prompt_ids, 2, greedy=True, logprobs=False).completion_ids
+
+    before = greedy(local)
+    policy.to(device)
+    head = policy.get_output_embeddings().weight
+    trained = head.detach().clone()
     try:
-        sampled = worker.generate(prompt_ids, 1, greedy=True, logprobs=False)
-        assert worker.process is not None and sampled.completion_ids.device.type == "cpu"
-        assert torch.equal(sampled.completion_ids, after)
+        for weights in (torch.zeros_like(trained), trained):
+            with torch.no_grad():
+                head.copy_(weights)
+            expected = greedy(local).cpu()
+            assert not torch.equal(expected, before)
+            if worker.process is not None:  # started by the first call, on the policy as it was then
+                worker.update_weights(policy.named_parameters())
+            assert torch.equal(greedy(worker), expected)  # rollouts come back on the CPU
+            assert {p.device.type for p in worker.parameters.values()} == {device}
+            before = expected
     finally:
         worker.close()
     assert worker.process is None and worker.parameters == {}
