@@ -134,6 +134,17 @@ def check_strategy(strategy: Strategy) -> None:
         )
 
 
+def check_sampler_process(strategy: Strategy, sampler_process: bool) -> None:
+    """Refuse pipelined rollouts sampled in a worker process (``HFEngine`` with ``max_off_policy_steps >= 1``) under
+    FSDP2: the worker would copy the policy's shards (DTensors), which it has no process group to gather."""
+    if sampler_process and is_sharded(strategy):
+        raise ValueError(
+            "model.max_off_policy_steps >= 1 with HFEngine samples in a worker process from a copy of the policy, "
+            "which FSDP2 (gpo.parallel.fsdp.FullyShardedStrategy) shards across processes: set "
+            "model.max_off_policy_steps: 0, or pipeline a VLLMServerEngine, or train with DDP."
+        )
+
+
 def check_same_count(count: int, what: str, device: torch.device) -> None:
     """Raise on every rank when the ranks would run different numbers of forward passes (``what``): under FSDP each
     forward and backward is a collective, and a rank that runs one more than the others waits for ever."""

@@ -60,19 +60,20 @@ class ProcessEngine(RolloutEngine):
     def _start(self) -> None:
         if self.policy is None:
             raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
-        self.copy = copy.deepcopy(self.policy).requires_grad_(False)
+        copied = copy.deepcopy(self.policy).requires_grad_(False)
         # The worker maps these very storages (CPU: shared memory; CUDA: IPC handles, which need the spawn start
         # method): an update is a copy, not a transfer.
-        self.copy.share_memory()
-        self.parameters = dict(self.copy.named_parameters())
+        copied.share_memory()
         context = torch.multiprocessing.get_context("spawn")
-        self.connection, child = context.Pipe()
-        self.process = context.Process(
-            target=serve, args=(self.engine, self.copy, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
+        connection, child = context.Pipe()
+        process = context.Process(
+            target=serve, args=(self.engine, copied, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
             daemon=True,
         )  # fmt: skip
-        self.process.start()
+        process.start()
         child.close()
+        self.copy, self.parameters = copied, dict(copied.named_parameters())
+        self.process, self.connection = process, connection  # started: calls go to it from here on
         self._call("ready")
 
     def generate(
@@ -142,8 +143,11 @@ def serve(
 ) -> None:  # fmt: skip
     """The worker process: set up ``engine`` on the mapped copy of the policy, answer requests, release the copy."""
     torch.set_num_threads(threads)
-    engine.setup(policy, tokenizer)
+    device = next(policy.parameters()).device
+    if device.type == "cuda":  # the rank's own GPU (DDP), not GPU 0, for anything placed by default
+        torch.cuda.set_device(device)
     try:
+        engine.setup(policy, tokenizer)
         answer_requests(engine, connection)
     finally:
         release(policy)

@@ -55,6 +55,11 @@ class RolloutFeed:
         """Whether the collection's time is spent inside the training step (it is part of the step's rollout time)."""
         return True
 
+    @property
+    def sampler_process(self) -> bool:
+        """Whether rollouts are sampled in a worker process from its own copy of the policy (``ProcessEngine``)."""
+        return False
+
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         """After the step's updates: hand ``model``'s new weights on where the sampler needs them; the step's feed
         metrics."""
@@ -112,6 +117,10 @@ class PipelinedFeed(RolloutFeed):
     def samples_on_trainer(self) -> bool:
         return False
 
+    @property
+    def sampler_process(self) -> bool:
+        return self.pipeline.worker is not None
+
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         metrics = self.pipeline.metrics(rollout, dropped, device)
         self.pipeline.engine.trained_steps += 1
@@ -122,7 +131,7 @@ class PipelinedFeed(RolloutFeed):
         self.pipeline.split_threads()
 
     def start(self, model: PreTrainedModel) -> None:
-        self.pipeline.push(model)  # the worker's copy was made before a checkpoint's weights were loaded
+        self.pipeline.push(model)  # a worker started earlier (a sanity check) holds the weights from before a restore
 
     def state(self) -> dict[str, Any] | None:
         return self.pipeline.state()  # waits for what is in flight

@@ -252,3 +252,4 @@ def check_run(module, trainer) -> None:
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
         fsdp.check_strategy(trainer.strategy)
+        fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

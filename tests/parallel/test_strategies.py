@@ -3,9 +3,15 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-from gpo.parallel.fsdp import FullyShardedStrategy, check_strategy, clip_grad_norm, decoder_layer_classes
+from gpo.parallel.fsdp import (
+    FullyShardedStrategy,
+    check_sampler_process,
+    check_strategy,
+    clip_grad_norm,
+    decoder_layer_classes,
+)
 from gpo.testing import tiny_model
 
 
@@ -28,6 +34,13 @@ def test_lightnings_fsdp1_strategy_is_refused_with_the_fsdp2_config_named():
     with pytest.raises(ValueError, match=r"configs/fsdp\.yaml"):
         check_strategy(FSDPStrategy())
     check_strategy(FullyShardedStrategy())  # no error
+
+
+def test_pipelined_sampling_in_a_worker_process_is_refused_under_fsdp2():
+    with pytest.raises(ValueError, match=r"model\.max_off_policy_steps: 0"):
+        check_sampler_process(FullyShardedStrategy(), sampler_process=True)
+    check_sampler_process(FullyShardedStrategy(), sampler_process=False)  # sampled in step: no copy to make
+    check_sampler_process(DDPStrategy(), sampler_process=True)  # DDP: each rank's worker copies whole weights
 
 
 def test_invalid_mixed_precision_lists_the_valid_ones():

@@ -328,3 +328,12 @@ def test_bad_python_arguments_fail_before_sampling_naming_field_and_fix(root, ar
     message = str(raised.value)
     assert case.field in message, message
     assert case.fix in message, message
+
+
+def test_only_a_pipelined_hf_engine_samples_in_a_worker_process(root):
+    for steps, expected in [(0, False), (1, True)]:
+        module = GPOModule(
+            str(root / "model"), [positional_match], engine=HFEngine(sampling=Sampling(max_new_tokens=4)),
+            max_off_policy_steps=steps, old_logprobs="rollout",
+        )  # fmt: skip
+        assert module.feed.sampler_process is expected
