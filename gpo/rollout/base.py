@@ -219,14 +219,12 @@ class RolloutEngine(ABC):
     ) -> Rollout:
         """Sample ``n`` completions of each prompt (token ids, no padding); rows of prompt ``i`` get group ``i``.
 
-        Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, when ``logprobs`` is asked for and
-        the engine has them, the sampled tokens' ``logp`` at the sampling temperature. Padding, in the prompts and
-        after the completions, is the tokenizer's pad token (its EOS when it has none), so decoding with
-        ``skip_special_tokens`` drops it. Texts and dataset fields
-        are the caller's to add; an engine may add fields of its own (a multi-turn engine's episode records).
-        ``sampling`` replaces the engine's own settings for this call (held-out evaluation samples at its own
-        temperature and top-p).
-        """
+        Returns a ``Rollout`` with token tensors, ``truncated``, ``group`` and, when ``logprobs`` is asked for and the
+        engine has them, the sampled tokens' ``logp`` at the sampling temperature. Padding, in the prompts and after
+        the completions, is the tokenizer's pad token (its EOS when it has none), so decoding with
+        ``skip_special_tokens`` drops it. Texts and dataset fields are the caller's to add; an engine may add fields
+        of its own (a multi-turn engine's episode records). ``sampling`` replaces the engine's own settings for this
+        call (held-out evaluation samples at its own temperature and top-p)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Replace the engine's copy of the weights with ``(name, tensor)`` pairs named as in the transformers

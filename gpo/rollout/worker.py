@@ -51,6 +51,7 @@ class ProcessEngine(RolloutEngine):
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.copy: PreTrainedModel | None = None  # the worker's policy; kept here while the worker maps it
         self.parameters: dict[str, Tensor] = {}
+        self.cuda_devices: set[torch.device] = set()  # where the copy's parameters are, on a GPU
         self.process: Any = None
         self.connection: Connection | None = None
 
@@ -73,6 +74,7 @@ class ProcessEngine(RolloutEngine):
         process.start()
         child.close()
         self.copy, self.parameters = copied, dict(copied.named_parameters())
+        self.cuda_devices = {p.device for p in self.parameters.values() if p.device.type == "cuda"}
         self.process, self.connection = process, connection  # started: calls go to it from here on
         self._call("ready")
 
@@ -96,8 +98,7 @@ class ProcessEngine(RolloutEngine):
             if name not in self.parameters:
                 raise KeyError(f"ProcessEngine.update_weights: the policy has no parameter {name!r}.")
             self.parameters[name].copy_(tensor)
-        devices = {p.device for p in self.parameters.values() if p.device.type == "cuda"}
-        for device in devices:  # the copies are queued on this process's stream: done before the worker reads
+        for device in self.cuda_devices:  # the copies are queued on this process's stream: done before the worker reads
             torch.cuda.synchronize(device)
 
     def close(self) -> None:
@@ -114,7 +115,7 @@ class ProcessEngine(RolloutEngine):
                 self.process.join()
         self.connection.close()
         self.process = self.connection = self.copy = None
-        self.parameters = {}
+        self.parameters, self.cuda_devices = {}, set()
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.process is None:
