@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import multiprocessing.forkserver
 import traceback
 from collections.abc import Iterable
 from multiprocessing.connection import Connection
@@ -24,15 +25,16 @@ class RolloutWorkerDied(RuntimeError):
 
 
 class ProcessEngine(RolloutEngine):
-    """Runs ``engine`` (one that samples from the module it is set up with, such as ``HFEngine``) in a spawned worker
-    process, on a copy of the policy that both processes map: in shared memory on the CPU, through CUDA IPC on a GPU.
+    """Runs ``engine`` (one that samples from the module it is set up with, such as ``HFEngine``) in a worker process,
+    on a copy of the policy that both processes map: in shared memory on the CPU, through CUDA IPC on a GPU.
 
     The worker starts at the first ``generate`` or ``update_weights``, with a copy of the policy made where the
     policy is then: Lightning moves the policy to its device after ``setup``, so a GPU run's worker samples on that
     GPU. ``update_weights`` copies new values of the trainable parameters into the copy (names as in the policy's
     ``named_parameters``), which the worker sees as soon as the copy is done: call it only between ``generate``
     calls, from the thread that calls ``generate`` (the rollout pipeline does both from its sampler thread). Rollouts
-    come back on the CPU. A worker that dies is reported (pid and exit code) instead of waited on.
+    come back on the CPU. A worker that dies is reported (pid and exit code) instead of waited on. Workers are forked
+    from a server process that ``setup`` starts (``start_forkserver``).
 
     Args:
         engine: the engine to run in the worker; it must share the policy's weights (``shares_policy_weights``).
@@ -57,15 +59,16 @@ class ProcessEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.policy, self.tokenizer = policy, tokenizer
+        start_forkserver([__name__, type(self.engine).__module__, type(policy).__module__])
 
     def _start(self) -> None:
         if self.policy is None:
             raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
         copied = copy.deepcopy(self.policy).requires_grad_(False)
-        # The worker maps these very storages (CPU: shared memory; CUDA: IPC handles, which need the spawn start
-        # method): an update is a copy, not a transfer.
+        # The worker maps these very storages (CPU: shared memory; CUDA: IPC handles): an update is a copy, not a
+        # transfer.
         copied.share_memory()
-        context = torch.multiprocessing.get_context("spawn")
+        context = torch.multiprocessing.get_context("forkserver")
         connection, child = context.Pipe()
         process = context.Process(
             target=serve, args=(self.engine, copied, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
@@ -136,6 +139,17 @@ class ProcessEngine(RolloutEngine):
         if status == "error":
             raise RuntimeError(f"the rollout worker failed in {method}:\n{value}")
         return value
+
+
+def start_forkserver(modules: list[str]) -> None:
+    """Start, in the background, the process that workers are forked from, with ``modules`` imported: the worker's
+    own, its engine's and the policy class's (torch and transformers with them, several seconds), once per trainer
+    process, while the trainer sets up. A worker forked from it starts in milliseconds and, unlike a forked trainer,
+    has no CUDA state (CUDA IPC forbids ``fork``). It is the ``forkserver`` start method with a preload; a worker
+    sees the environment variables of the moment that process started."""
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(modules)
+    multiprocessing.forkserver.ensure_running()
 
 
 def serve(

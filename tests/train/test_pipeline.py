@@ -4,6 +4,10 @@ dies stops the run with a message, and the reward still rises."""
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -197,3 +201,30 @@ def test_vllm_engine_runs_ahead_with_its_weight_pushes_and_checks_in_order(works
     assert [versions[0] for _, versions in stamps.seen] == [0, 0, 1, 2, 3, 4]  # pushed after each step, one behind
     assert float(trainer.callback_metrics["weight_sync/logprob_diff_max"]) < 1e-3
     assert int(trainer.callback_metrics["weight_sync/count"]) == 7  # at the start and after each of the 6 steps
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of process ``pid`` (Linux: field 4 of ``/proc/<pid>/stat``, after the command in parentheses)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def test_workers_fork_from_one_server_started_at_setup_so_a_later_worker_starts_at_once(workspace):
+    """The workers of one trainer process are forked from one server process, started when the engine is set up
+    with torch, transformers and the policy's class imported: not children of the trainer (a spawned worker imports
+    them afresh, about 5 s on this project's CPU machine); a later worker starts in well under that."""
+    model, _ = workspace
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    servers, starts = [], []
+    for _ in range(2):
+        worker = ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4)))
+        worker.setup(policy, tokenizer)
+        started = time.perf_counter()
+        try:
+            worker.generate([[5, 6, 7]], 2, seed=0, logprobs=False)
+            starts.append(time.perf_counter() - started)
+            servers.append(parent_pid(worker.process.pid))
+        finally:
+            worker.close()
+    assert servers[0] == servers[1] != os.getpid()
+    assert starts[1] < 2.0, starts
