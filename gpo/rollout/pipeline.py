@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.collector import CollectionStats
 from gpo.rollout.multi_turn import MultiTurnEngine
-from gpo.rollout.worker import ProcessEngine
+from gpo.rollout.worker import ProcessEngine, autocast_as, autocast_state
 
 
 class SamplerThread:
@@ -42,7 +42,8 @@ class SamplerThread:
         self.ident = threading.get_ident()
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        submitted = time.perf_counter()
+        """Run ``fn(*args, **kwargs)`` after the tasks submitted before it, under the submitting thread's autocast."""
+        submitted, autocast = time.perf_counter(), autocast_state()
         if self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="gpo-sampler", initializer=self._mark)
 
@@ -50,7 +51,8 @@ class SamplerThread:
             with self.lock:
                 self.idle_s += max(0.0, submitted - self.busy_until)
             try:
-                return fn(*args, **kwargs)
+                with autocast_as(autocast):
+                    return fn(*args, **kwargs)
             finally:
                 self.busy_until = time.perf_counter()
 

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import multiprocessing.forkserver
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -33,8 +33,9 @@ class ProcessEngine(RolloutEngine):
     GPU. ``update_weights`` copies new values of the trainable parameters into the copy (names as in the policy's
     ``named_parameters``), which the worker sees as soon as the copy is done: call it only between ``generate``
     calls, from the thread that calls ``generate`` (the rollout pipeline does both from its sampler thread). Rollouts
-    come back on the CPU. A worker that dies is reported (pid and exit code) instead of waited on. Workers are forked
-    from a server process that ``setup`` starts (``start_forkserver``).
+    come back on the CPU, sampled under the caller's autocast (Lightning's mixed precision). A worker that dies is
+    reported (pid and exit code) instead of waited on. Workers are forked from a server process that ``setup``
+    starts (``start_forkserver``).
 
     Args:
         engine: the engine to run in the worker; it must share the policy's weights (``shares_policy_weights``).
@@ -124,7 +125,7 @@ class ProcessEngine(RolloutEngine):
         if self.process is None:
             self._start()
         try:
-            self.connection.send((method, args, kwargs))
+            self.connection.send((method, args, kwargs, autocast_state()))
             while not self.connection.poll(POLL_S):
                 if not self.process.is_alive():
                     raise EOFError
@@ -139,6 +140,26 @@ class ProcessEngine(RolloutEngine):
         if status == "error":
             raise RuntimeError(f"the rollout worker failed in {method}:\n{value}")
         return value
+
+
+AutocastState = list[tuple[str, torch.dtype]]
+
+
+def autocast_state() -> AutocastState:
+    """The device types autocast is on for in the calling thread, each with its dtype (autocast is thread-local: a
+    call run on another thread or in another process drops it unless that call enters it again)."""
+    devices = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    return [(device, torch.get_autocast_dtype(device)) for device in devices]
+
+
+@contextlib.contextmanager
+def autocast_as(state: AutocastState) -> Iterator[None]:
+    """Run a block under the autocast ``state`` (from ``autocast_state``): Lightning's mixed precision
+    (``trainer.precision: bf16-mixed``) reaches a rollout that another thread or process samples."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
 
 
 def start_forkserver(modules: list[str]) -> None:
@@ -169,8 +190,8 @@ def serve(
 
 
 def answer_requests(engine: RolloutEngine, connection: Connection) -> None:
-    """Run ``(method, args, kwargs)`` requests on ``engine`` and send back ``("ok", value)`` or ``("error", traceback)``
-    until ``None`` or the pipe closes; rollouts are sent on the CPU."""
+    """Run ``(method, args, kwargs, autocast)`` requests on ``engine``, under the caller's autocast, and send back
+    ``("ok", value)`` or ``("error", traceback)`` until ``None`` or the pipe closes; rollouts are sent on the CPU."""
     while True:
         try:
             request = connection.recv()
@@ -178,9 +199,10 @@ def answer_requests(engine: RolloutEngine, connection: Connection) -> None:
             return
         if request is None:
             return
-        method, args, kwargs = request
+        method, args, kwargs, autocast = request
         try:
-            value = engine.generate(*args, **kwargs).to("cpu") if method == "generate" else None
+            with autocast_as(autocast):
+                value = engine.generate(*args, **kwargs).to("cpu") if method == "generate" else None
             connection.send(("ok", value))
         except Exception:  # sent to the trainer, which raises it with the worker's traceback
             connection.send(("error", traceback.format_exc()))

@@ -17,7 +17,7 @@ from typing_extensions import override
 from gpo.rollout import Rollout, RolloutEngine, Sampling
 from gpo.rollout.base import concat_rollouts
 from gpo.rollout.hf import HFEngine
-from gpo.rollout.pipeline import RolloutPipeline
+from gpo.rollout.pipeline import RolloutPipeline, SamplerThread
 from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied
 from gpo.train.hooks import RolloutCallback
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
@@ -228,3 +228,46 @@ def test_workers_fork_from_one_server_started_at_setup_so_a_later_worker_starts_
             worker.close()
     assert servers[0] == servers[1] != os.getpid()
     assert starts[1] < 2.0, starts
+
+
+def autocast_now() -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+
+def test_the_sampler_thread_runs_each_task_under_the_autocast_of_the_thread_that_submitted_it():
+    thread = SamplerThread()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = thread.submit(autocast_now)
+        outside = thread.submit(autocast_now)
+        assert inside.result() == (True, torch.bfloat16)
+        assert outside.result()[0] is False
+    finally:
+        thread.close()
+
+
+def test_the_worker_samples_under_the_autocast_of_its_caller(workspace):
+    """``trainer.precision: bf16-mixed`` runs a step under autocast, which stays in its thread: the worker enters its
+    caller's, so the log-probs it samples with are an in-process engine's under the same autocast, not float32's."""
+    model, _ = workspace
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    local, worker = (
+        HFEngine(sampling=Sampling(max_new_tokens=4)),
+        ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4))),
+    )
+    local.setup(policy, tokenizer)
+    worker.setup(policy, tokenizer)
+    prompt_ids = [tokenizer(text)["input_ids"] for text in ("12+3=", "7*8=", "99-1=")]
+
+    def sampled(engine):
+        rollout = engine.generate(prompt_ids, 2, greedy=True)
+        return rollout.completion_ids, rollout.logp
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, mixed = sampled(local), sampled(worker)
+        full = sampled(worker)
+    finally:
+        worker.close()
+    assert torch.equal(mixed[0], expected[0]) and torch.equal(mixed[1], expected[1])
+    assert not torch.allclose(mixed[1], full[1], atol=1e-4)  # bfloat16 compute shows
