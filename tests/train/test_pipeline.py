@@ -97,6 +97,20 @@ def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
         fit(workspace, 10, 1, KillWorker())
 
 
+def in_process_and_worker_engines(workspace) -> tuple[torch.nn.Module, HFEngine, ProcessEngine, list[list[int]]]:
+    """The tiny policy, an in-process ``HFEngine`` and a ``ProcessEngine`` over another, both set up on it, and three
+    prompts' token ids."""
+    model, _ = workspace
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    local, worker = (
+        HFEngine(sampling=Sampling(max_new_tokens=4)),
+        ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4))),
+    )
+    local.setup(policy, tokenizer)
+    worker.setup(policy, tokenizer)
+    return policy, local, worker, [tokenizer(text)["input_ids"] for text in ("12+3=", "7*8=", "99-1=")]
+
+
 ON_A_GPU = pytest.param(
     "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 )
@@ -109,16 +123,8 @@ def test_the_worker_samples_the_policy_as_it_is_at_its_first_call_and_after_each
     ``device`` and changes after set-up (output layer zeroed: every logit 0, greedy picks token 0), then changes back
     before a push: each time the worker's greedy completions are those of an in-process engine on the policy as it
     is."""
-    model, _ = workspace
-    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-    local, worker = (
-        HFEngine(sampling=Sampling(max_new_tokens=4)),
-        ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4))),
-    )
-    local.setup(policy, tokenizer)
-    worker.setup(policy, tokenizer)
+    policy, local, worker, prompt_ids = in_process_and_worker_engines(workspace)
     assert worker.process is None
-    prompt_ids = [tokenizer(text)["input_ids"] for text in ("12+3=", "7*8=", "99-1=")]
 
     def greedy(engine):
         return engine.generate(prompt_ids, 2, greedy=True, logprobs=False).completion_ids
@@ -249,15 +255,7 @@ def test_the_sampler_thread_runs_each_task_under_the_autocast_of_the_thread_that
 def test_the_worker_samples_under_the_autocast_of_its_caller(workspace):
     """``trainer.precision: bf16-mixed`` runs a step under autocast, which stays in its thread: the worker enters its
     caller's, so the log-probs it samples with are an in-process engine's under the same autocast, not float32's."""
-    model, _ = workspace
-    policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-    local, worker = (
-        HFEngine(sampling=Sampling(max_new_tokens=4)),
-        ProcessEngine(HFEngine(sampling=Sampling(max_new_tokens=4))),
-    )
-    local.setup(policy, tokenizer)
-    worker.setup(policy, tokenizer)
-    prompt_ids = [tokenizer(text)["input_ids"] for text in ("12+3=", "7*8=", "99-1=")]
+    _, local, worker, prompt_ids = in_process_and_worker_engines(workspace)
 
     def sampled(engine):
         rollout = engine.generate(prompt_ids, 2, greedy=True)
