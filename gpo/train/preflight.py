@@ -228,9 +228,39 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
     return aliased
 
 
+#: ``trainer.precision`` values gpo trains with: full precision, or bfloat16 autocast (no loss scaling).
+PRECISIONS = ("32-true", "bf16-mixed")
+#: The ``model.dtype`` that gives the weights of a Lightning ``*-true`` precision.
+TRUE_PRECISION_DTYPES = {"bf16-true": "bfloat16", "16-true": "float16"}
+
+
+def check_precision(precision: str) -> None:
+    """Refuse a ``trainer.precision`` gpo's update cannot honour. ``16-mixed`` (float16 autocast on a GPU; Lightning
+    makes it ``bf16-mixed`` on a CPU) scales the loss with a GradScaler that unscales the gradients inside the
+    optimiser step, after gpo has clipped them and checked them for non-finite values: the clip would see gradients
+    ~65,536 times too large and shrink every update to almost nothing. The ``*-true`` precisions cast the policy and
+    change the default dtype of every new tensor (rewards and metrics too), which ``model.dtype`` does for the
+    weights alone."""
+    if precision in PRECISIONS:
+        return
+    if precision == "16-mixed":
+        raise ValueError(
+            "trainer.precision=16-mixed scales the loss for float16, which gpo's update would clip unscaled; use "
+            "trainer.precision: bf16-mixed (bfloat16 autocast, no loss scaling), or model.dtype: float16."
+        )
+    if precision in TRUE_PRECISION_DTYPES:
+        raise ValueError(
+            f"trainer.precision={precision} casts the policy and changes the dtype of every new tensor, rewards "
+            f"included; gpo sets the weights' dtype itself: use model.dtype: {TRUE_PRECISION_DTYPES[precision]} "
+            "(log-probs, losses and rewards stay float32) and leave trainer.precision at 32-true, or use "
+            "trainer.precision: bf16-mixed."
+        )
+    raise ValueError(f"trainer.precision={precision} is not supported by gpo; use one of {list(PRECISIONS)}.")
+
+
 def check_run(module, trainer) -> None:
     """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, router inputs, reward
-    columns, context length, minibatch split, strategy."""
+    columns, context length, minibatch split, precision, strategy."""
     from gpo.parallel import collectives, fsdp
     from gpo.train.data import PromptDataModule
 
@@ -251,5 +281,6 @@ def check_run(module, trainer) -> None:
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
+        check_precision(trainer.precision)
         fsdp.check_strategy(trainer.strategy)
         fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

@@ -17,6 +17,7 @@ from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, save_tiny_model, tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
+from gpo.train.preflight import check_precision
 
 CONTEXT = 256  # max_position_embeddings of gpo.testing's tiny models
 
@@ -223,6 +224,13 @@ CLI_CASES = [
         field="model.engine.init_args.sampling.max_new_tokens=4", fix=f"data.max_prompt_length: {CONTEXT - 4}"),
     bad("budget_fills_the_context", f"--model.engine.init_args.sampling.max_new_tokens={CONTEXT}",
         field=f"model.engine.init_args.sampling.max_new_tokens={CONTEXT}", fix=f"set max_new_tokens below {CONTEXT}"),
+    # ---- the trainer ---------------------------------------------------------------------------------------------
+    bad("precision_bf16_true", "--trainer.precision=bf16-true", field="trainer.precision=bf16-true",
+        fix="use model.dtype: bfloat16"),
+    bad("precision_16_true", "--trainer.precision=16-true", field="trainer.precision=16-true",
+        fix="use model.dtype: float16"),
+    bad("precision_64_true", "--trainer.precision=64-true", field="trainer.precision=64-true is not supported",
+        fix="use one of ['32-true', 'bf16-mixed']"),
 ]  # fmt: skip
 
 
@@ -233,6 +241,13 @@ def test_bad_config_fails_before_sampling_naming_field_and_fix(root, case):
     message = str(raised.value)
     assert case.field.format(root=root) in message, message
     assert case.fix in message, message
+
+
+def test_float16_autocast_is_refused_for_its_loss_scaling_and_the_supported_precisions_pass():
+    with pytest.raises(ValueError, match=r"trainer.precision=16-mixed scales the loss .* use trainer.precision: bf16"):
+        check_precision("16-mixed")  # on a GPU only: Lightning makes it bf16-mixed on a CPU
+    for precision in ("32-true", "bf16-mixed"):
+        check_precision(precision)
 
 
 @pytest.mark.parametrize(
