@@ -117,6 +117,10 @@ model:
         pytest.param(("--trainer.strategy=gpo.strategies.FullyShardedStrategy",),
                      "use gpo.parallel.fsdp.FullyShardedStrategy", id="fsdp_strategy"),
         pytest.param(("--model.optim.learning_rate=1e-3",), "model.optim takes: lr, weight_decay", id="misspelt_key"),
+        pytest.param(("--trainer.gradient_clip_val=0.5",), "set model.optim.max_grad_norm: 0.5",
+                     id="gradient_clip_val"),
+        pytest.param(("--trainer.accelerator=mps",), "`MPSAccelerator` can not run on your system",
+                     id="lightning_refuses"),  # a MisconfigurationException (no Mac here)
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

@@ -106,11 +106,13 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def is_user_error(error: Exception) -> bool:
-    """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, or a checkpoint that cannot be
-    used), which ``run`` prints as a short message."""
-    from gpo.train.checkpointing import CheckpointError  # imports Lightning: only once something has failed
+    """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, a checkpoint that cannot be used,
+    or a trainer setting Lightning refuses), which ``run`` prints as a short message."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException  # only once something has failed
 
-    return isinstance(error, (*USER_ERRORS, CheckpointError))
+    from gpo.train.checkpointing import CheckpointError
+
+    return isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException))
 
 
 def known_groups() -> dict[str, type]:

@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
 from gpo.train.loggers import default_loggers
+from gpo.train.preflight import check_trainer_loop
 
 
 class GPOCLI(LightningCLI):
@@ -79,6 +80,7 @@ class GPOCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
         trainer = {**self._get(self.config_init, "trainer", default={})}
+        check_trainer_loop(trainer.get("gradient_clip_val"), trainer.get("accumulate_grad_batches", 1))
         root = trainer.get("default_root_dir") or os.getcwd()
         if trainer.get("logger") in (None, True) and "logger" not in kwargs:
             resuming = self.subcommand == "fit" and self._get(self.config_init, "ckpt_path") is not None

@@ -258,6 +258,23 @@ def check_precision(precision: str) -> None:
     raise ValueError(f"trainer.precision={precision} is not supported by gpo; use one of {list(PRECISIONS)}.")
 
 
+def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches: int) -> None:
+    """Refuse the settings of Lightning's automatic optimisation, which gpo's update (manual optimisation) has settings
+    of its own for, before Lightning refuses them in its own words ("switch to automatic optimization")."""
+    if gradient_clip_val is not None and gradient_clip_val > 0:
+        raise ValueError(
+            f"trainer.gradient_clip_val={gradient_clip_val} is Lightning's clipping, which gpo's update does itself: "
+            f"set model.optim.max_grad_norm: {gradient_clip_val} (the global gradient norm; default 1.0) instead."
+        )
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={accumulate_grad_batches} is Lightning's accumulation over batches, "
+            "which gpo's update does not use: to update on more prompts at once raise data.prompts_per_step, and "
+            "bound the memory with model.optim.micro_batch_size (rows per forward and backward; the gradient is "
+            "the same)."
+        )
+
+
 def check_run(module, trainer) -> None:
     """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, router inputs, reward
     columns, context length, minibatch split, precision, strategy."""

@@ -225,6 +225,10 @@ CLI_CASES = [
     bad("budget_fills_the_context", f"--model.engine.init_args.sampling.max_new_tokens={CONTEXT}",
         field=f"model.engine.init_args.sampling.max_new_tokens={CONTEXT}", fix=f"set max_new_tokens below {CONTEXT}"),
     # ---- the trainer ---------------------------------------------------------------------------------------------
+    bad("gradient_clip_val", "--trainer.gradient_clip_val=0.5", field="trainer.gradient_clip_val=0.5",
+        fix="set model.optim.max_grad_norm: 0.5"),
+    bad("accumulate_grad_batches", "--trainer.accumulate_grad_batches=2", field="trainer.accumulate_grad_batches=2",
+        fix="raise data.prompts_per_step"),
     bad("precision_bf16_true", "--trainer.precision=bf16-true", field="trainer.precision=bf16-true",
         fix="use model.dtype: bfloat16"),
     bad("precision_16_true", "--trainer.precision=16-true", field="trainer.precision=16-true",
