@@ -72,7 +72,7 @@ class ProcessEngine(RolloutEngine):
         context = torch.multiprocessing.get_context("forkserver")
         connection, child = context.Pipe()
         process = context.Process(
-            target=serve, args=(self.engine, copied, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
+            target=serve, args=(self.engine, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
             daemon=True,
         )  # fmt: skip
         process.start()
@@ -80,7 +80,9 @@ class ProcessEngine(RolloutEngine):
         self.copy, self.parameters = copied, dict(copied.named_parameters())
         self.cuda_devices = {p.device for p in self.parameters.values() if p.device.type == "cuda"}
         self.process, self.connection = process, connection  # started: calls go to it from here on
-        self._call("ready")
+        # The copy goes through the pipe, not with the process's arguments: forkserver passes those at most 256 file
+        # descriptors, one per CPU tensor (a 30-layer model has more), the pipe any number.
+        self._call("setup", copied)
 
     def generate(
         self,
@@ -173,17 +175,17 @@ def start_forkserver(modules: list[str]) -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def serve(
-    engine: RolloutEngine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int,
-    connection: Connection,
-) -> None:  # fmt: skip
-    """The worker process: set up ``engine`` on the mapped copy of the policy, answer requests, release the copy."""
+def serve(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, threads: int, connection: Connection) -> None:
+    """The worker process: receive the mapped copy of the policy (the first request, ``setup``), set ``engine`` up on
+    it, answer requests, release the copy."""
     torch.set_num_threads(threads)
-    device = next(policy.parameters()).device
-    if device.type == "cuda":  # the rank's own GPU (DDP), not GPU 0, for anything placed by default
-        torch.cuda.set_device(device)
+    _, (policy,), _, _ = connection.recv()
     try:
+        device = next(policy.parameters()).device
+        if device.type == "cuda":  # the rank's own GPU (DDP), not GPU 0, for anything placed by default
+            torch.cuda.set_device(device)
         engine.setup(policy, tokenizer)
+        connection.send(("ok", None))
         answer_requests(engine, connection)
     finally:
         release(policy)

@@ -19,6 +19,7 @@ from gpo.rollout.base import concat_rollouts
 from gpo.rollout.hf import HFEngine
 from gpo.rollout.pipeline import RolloutPipeline, SamplerThread
 from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied
+from gpo.testing import save_tiny_model
 from gpo.train.hooks import RolloutCallback
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
@@ -97,10 +98,9 @@ def test_a_worker_that_dies_stops_the_run_with_a_message(workspace):
         fit(workspace, 10, 1, KillWorker())
 
 
-def in_process_and_worker_engines(workspace) -> tuple[torch.nn.Module, HFEngine, ProcessEngine, list[list[int]]]:
-    """The tiny policy, an in-process ``HFEngine`` and a ``ProcessEngine`` over another, both set up on it, and three
-    prompts' token ids."""
-    model, _ = workspace
+def in_process_and_worker_engines(model) -> tuple[torch.nn.Module, HFEngine, ProcessEngine, list[list[int]]]:
+    """The policy in the folder ``model``, an in-process ``HFEngine`` and a ``ProcessEngine`` over another, both set up
+    on it, and three prompts' token ids."""
     policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     local, worker = (
         HFEngine(sampling=Sampling(max_new_tokens=4)),
@@ -123,7 +123,7 @@ def test_the_worker_samples_the_policy_as_it_is_at_its_first_call_and_after_each
     ``device`` and changes after set-up (output layer zeroed: every logit 0, greedy picks token 0), then changes back
     before a push: each time the worker's greedy completions are those of an in-process engine on the policy as it
     is."""
-    policy, local, worker, prompt_ids = in_process_and_worker_engines(workspace)
+    policy, local, worker, prompt_ids = in_process_and_worker_engines(workspace[0])
     assert worker.process is None
 
     def greedy(engine):
@@ -255,7 +255,7 @@ def test_the_sampler_thread_runs_each_task_under_the_autocast_of_the_thread_that
 def test_the_worker_samples_under_the_autocast_of_its_caller(workspace):
     """``trainer.precision: bf16-mixed`` runs a step under autocast, which stays in its thread: the worker enters its
     caller's, so the log-probs it samples with are an in-process engine's under the same autocast, not float32's."""
-    _, local, worker, prompt_ids = in_process_and_worker_engines(workspace)
+    _, local, worker, prompt_ids = in_process_and_worker_engines(workspace[0])
 
     def sampled(engine):
         rollout = engine.generate(prompt_ids, 2, greedy=True)
@@ -269,3 +269,16 @@ def test_the_worker_samples_under_the_autocast_of_its_caller(workspace):
         worker.close()
     assert torch.equal(mixed[0], expected[0]) and torch.equal(mixed[1], expected[1])
     assert not torch.allclose(mixed[1], full[1], atol=1e-4)  # bfloat16 compute shows
+
+
+def test_a_policy_of_more_tensors_than_a_new_process_can_be_passed_reaches_the_worker(tmp_path):
+    """A process started from the forkserver takes at most 256 file descriptors with its arguments, and the CPU copy
+    of the policy shares one per tensor: the copy goes to the worker through its pipe instead."""
+    save_tiny_model(tmp_path / "model", "llama", seed=0, num_layers=30)
+    policy, local, worker, prompt_ids = in_process_and_worker_engines(tmp_path / "model")
+    assert len([*policy.parameters(), *policy.buffers()]) > 256
+    try:
+        sampled = worker.generate(prompt_ids, 2, greedy=True, logprobs=False).completion_ids
+    finally:
+        worker.close()
+    assert torch.equal(sampled, local.generate(prompt_ids, 2, greedy=True, logprobs=False).completion_ids)
