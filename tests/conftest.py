@@ -1,4 +1,3 @@
-import lightning.pytorch  # noqa: F401  # its log handler holds the sys.stderr of its import: the real one, not a capture
 import pytest
 import torch
 

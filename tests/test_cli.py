@@ -3,6 +3,9 @@
 import sys
 from pathlib import Path
 
+# Imported while the tests are collected, as other test modules import it: Lightning's log handler keeps the sys.stderr
+# of its import, which must not be a test's capsys stream (closed when that test ends).
+import lightning.pytorch  # noqa: F401
 import pytest
 
 from gpo.cli import main
