@@ -1,7 +1,8 @@
 """How long the pipelined ``HFEngine`` worker takes to start: from the first ``generate`` call to its rollout.
 
 ``ProcessEngine`` forks its worker from a server process (Python's ``forkserver`` start method) that starts when the
-engine is set up and imports torch, transformers and the policy's model class in the background. Each round here
+engine is set up and imports gpo's worker and ``HFEngine`` modules (torch and transformers with them) in the
+background; each worker imports the policy's model class itself. Each round here
 builds a ``ProcessEngine`` over ``HFEngine``, sets it up on a tiny random llama, waits ``--setup-s`` seconds (standing
 for the trainer's own set-up between ``setup`` and the first rollout), then times its first ``generate`` (the worker
 starts, copies nothing, samples 2 completions of 4 tokens) and closes it. The first round pays for the server's

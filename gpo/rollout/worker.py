@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing.forkserver
+import os
+import resource
 import traceback
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import Connection
@@ -60,11 +62,14 @@ class ProcessEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.policy, self.tokenizer = policy, tokenizer
-        start_forkserver([__name__, type(self.engine).__module__, type(policy).__module__])
+        start_forkserver([__name__, "gpo.rollout.hf"])
 
     def _start(self) -> None:
         if self.policy is None:
             raise RuntimeError("ProcessEngine used before setup(policy, tokenizer), or after close().")
+        tensors = [*self.policy.parameters(), *self.policy.buffers()]
+        if not any(tensor.is_cuda for tensor in tensors):  # a file per shared tensor, and its duplicate in transit
+            allow_open_files(2 * len(tensors))
         copied = copy.deepcopy(self.policy).requires_grad_(False)
         # The worker maps these very storages (CPU: shared memory; CUDA: IPC handles): an update is a copy, not a
         # transfer.
@@ -81,8 +86,12 @@ class ProcessEngine(RolloutEngine):
         self.cuda_devices = {p.device for p in self.parameters.values() if p.device.type == "cuda"}
         self.process, self.connection = process, connection  # started: calls go to it from here on
         # The copy goes through the pipe, not with the process's arguments: forkserver passes those at most 256 file
-        # descriptors, one per CPU tensor (a 30-layer model has more), the pipe any number.
-        self._call("setup", copied)
+        # descriptors, one per CPU tensor (a 30-layer model has more), the pipe any number (see allow_open_files).
+        try:
+            self._call("setup", copied)
+        except BaseException:
+            self.close()  # a worker that was never set up takes no other request
+            raise
 
     def generate(
         self,
@@ -164,12 +173,27 @@ def autocast_as(state: AutocastState) -> Iterator[None]:
         yield
 
 
+def allow_open_files(extra: int) -> None:
+    """Let this process open ``extra`` more files: the soft ``RLIMIT_NOFILE`` is raised towards the hard limit when it
+    is too low (PyTorch's advice for sharing many CPU tensors); a hard limit too low is refused with the fix."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = len(os.listdir("/proc/self/fd")) + extra + 64 if os.path.isdir("/proc/self/fd") else soft
+    if needed <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise OSError(
+            f"the rollout worker's copy of the policy needs {extra} more open files (two per tensor until the worker "
+            f"has taken it), and this process may open {hard} at most: raise the limit (ulimit -Hn {needed})."
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 def start_forkserver(modules: list[str]) -> None:
-    """Start, in the background, the process that workers are forked from, with ``modules`` imported: the worker's
-    own, its engine's and the policy class's (torch and transformers with them, several seconds), once per trainer
-    process, while the trainer sets up. A worker forked from it starts in milliseconds and, unlike a forked trainer,
-    has no CUDA state (CUDA IPC forbids ``fork``). It is the ``forkserver`` start method with a preload; a worker
-    sees the environment variables of the moment that process started."""
+    """Start, in the background, the process that workers are forked from, with ``modules`` imported: gpo's own
+    (torch and transformers with them, several seconds; no user module, whose failing import would end that
+    process), once per trainer process, while the trainer sets up. A worker forked from it starts in milliseconds
+    and, unlike a forked trainer, has no CUDA state (CUDA IPC forbids ``fork``). It is the ``forkserver`` start
+    method with a preload; a worker sees the environment variables of the moment that process started."""
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(modules)
     multiprocessing.forkserver.ensure_running()
@@ -179,7 +203,10 @@ def serve(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, threads: in
     """The worker process: receive the mapped copy of the policy (the first request, ``setup``), set ``engine`` up on
     it, answer requests, release the copy."""
     torch.set_num_threads(threads)
-    _, (policy,), _, _ = connection.recv()
+    request = connection.recv()
+    if request is None:  # closed before its set-up reached it
+        return
+    _, (policy,), _, _ = request
     try:
         device = next(policy.parameters()).device
         if device.type == "cuda":  # the rank's own GPU (DDP), not GPU 0, for anything placed by default

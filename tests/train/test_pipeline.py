@@ -5,6 +5,7 @@ dies stops the run with a message, and the reward still rises."""
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from gpo.rollout import Rollout, RolloutEngine, Sampling
 from gpo.rollout.base import concat_rollouts
 from gpo.rollout.hf import HFEngine
 from gpo.rollout.pipeline import RolloutPipeline, SamplerThread
-from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied
+from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied, allow_open_files
 from gpo.testing import save_tiny_model
 from gpo.train.hooks import RolloutCallback
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
@@ -282,3 +283,29 @@ def test_a_policy_of_more_tensors_than_a_new_process_can_be_passed_reaches_the_w
     finally:
         worker.close()
     assert torch.equal(sampled, local.generate(prompt_ids, 2, greedy=True, logprobs=False).completion_ids)
+
+
+def test_a_copy_that_cannot_reach_the_worker_stops_it_and_is_raised(workspace):
+    """The copy is the worker's first request: when it cannot be sent (here it cannot be pickled), the worker, which
+    takes no other request before it, is stopped, and the error is the caller's."""
+    policy, _, worker, prompt_ids = in_process_and_worker_engines(workspace[0])
+    policy.not_picklable = lambda: None  # deep-copied as it is, refused by pickle
+    with pytest.raises(AttributeError, match="Can't pickle local object"):
+        worker.generate(prompt_ids, 2)
+    assert worker.process is None and worker.connection is None
+
+
+def test_the_open_file_limit_is_raised_for_the_copy_and_a_hard_limit_too_low_is_refused_with_the_fix():
+    """Sending the CPU copy holds two open files per tensor (a 60-layer model: 1,088) until the worker has it, over
+    the common soft limit of 1,024: the soft limit is raised towards the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 100, hard))
+    try:
+        allow_open_files(500)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= open_now + 500
+        if hard != resource.RLIM_INFINITY:
+            with pytest.raises(OSError, match=r"may open \d+ at most: raise the limit \(ulimit -Hn \d+\)"):
+                allow_open_files(hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
