@@ -62,7 +62,7 @@ class ProcessEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.policy, self.tokenizer = policy, tokenizer
-        start_forkserver([__name__, "gpo.rollout.hf"])
+        start_forkserver()
 
     def _start(self) -> None:
         if self.policy is None:
@@ -188,14 +188,14 @@ def allow_open_files(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def start_forkserver(modules: list[str]) -> None:
-    """Start, in the background, the process that workers are forked from, with ``modules`` imported: gpo's own
-    (torch and transformers with them, several seconds; no user module, whose failing import would end that
+def start_forkserver() -> None:
+    """Start, in the background, the process that workers are forked from, with this module and ``HFEngine``'s
+    imported (torch and transformers with them, several seconds; no user module, whose failing import would end that
     process), once per trainer process, while the trainer sets up. A worker forked from it starts in milliseconds
     and, unlike a forked trainer, has no CUDA state (CUDA IPC forbids ``fork``). It is the ``forkserver`` start
     method with a preload; a worker sees the environment variables of the moment that process started."""
     context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(modules)
+    context.set_forkserver_preload([__name__, "gpo.rollout.hf"])
     multiprocessing.forkserver.ensure_running()
 
 

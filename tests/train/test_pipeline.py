@@ -218,8 +218,8 @@ def parent_pid(pid: int) -> int:
 
 def test_workers_fork_from_one_server_started_at_setup_so_a_later_worker_starts_at_once(workspace):
     """The workers of one trainer process are forked from one server process, started when the engine is set up
-    with torch, transformers and the policy's class imported: not children of the trainer (a spawned worker imports
-    them afresh, about 5 s on this project's CPU machine); a later worker starts in well under that."""
+    with torch and transformers imported: not children of the trainer (a spawned worker imports them afresh, 6-8 s
+    on this project's CPU machine); a later worker starts in well under that."""
     model, _ = workspace
     policy, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     servers, starts = [], []
