@@ -8,6 +8,7 @@ import copy
 import multiprocessing.forkserver
 import os
 import resource
+import threading
 import traceback
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import Connection
@@ -77,8 +78,8 @@ class ProcessEngine(RolloutEngine):
         context = torch.multiprocessing.get_context("forkserver")
         connection, child = context.Pipe()
         process = context.Process(
-            target=serve, args=(self.engine, self.tokenizer, self.threads, child), name="gpo-rollout-worker",
-            daemon=True,
+            target=serve, args=(self.engine, self.tokenizer, self.threads, dict(os.environ), child),
+            name="gpo-rollout-worker", daemon=True,
         )  # fmt: skip
         process.start()
         child.close()
@@ -193,15 +194,38 @@ def start_forkserver() -> None:
     imported (torch and transformers with them, several seconds; no user module, whose failing import would end that
     process), once per trainer process, while the trainer sets up. A worker forked from it starts in milliseconds
     and, unlike a forked trainer, has no CUDA state (CUDA IPC forbids ``fork``). It is the ``forkserver`` start
-    method with a preload; a worker sees the environment variables of the moment that process started."""
+    method with a preload."""
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__, "gpo.rollout.hf"])
     multiprocessing.forkserver.ensure_running()
 
 
-def serve(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, threads: int, connection: Connection) -> None:
-    """The worker process: receive the mapped copy of the policy (the first request, ``setup``), set ``engine`` up on
-    it, answer requests, release the copy."""
+def _forget_the_parents_forkserver() -> None:
+    """In a process forked from one whose server was started (Lightning's ``ddp_fork``, after a pipelined ``fit`` in
+    the same notebook), Python's record of that server is the parent's: its first check of the server waits on a
+    process that is not its child and raises ``ChildProcessError``. The child forgets it, and starts its own at its
+    first ``start_forkserver``. (``multiprocessing.forkserver`` offers no public way to do this.)"""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)  # the parent's server may end with the parent
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    server._lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_forkserver)
+
+
+def serve(
+    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, threads: int, environment: dict[str, str],
+    connection: Connection,
+) -> None:  # fmt: skip
+    """The worker process: take the trainer's ``environment`` (the server's is that of the moment it started; a
+    worker numbers GPUs by the trainer's ``CUDA_VISIBLE_DEVICES``), receive the mapped copy of the policy (the first
+    request, ``setup``), set ``engine`` up on it, answer requests, release the copy."""
+    os.environ.clear()
+    os.environ.update(environment)
     torch.set_num_threads(threads)
     request = connection.recv()
     if request is None:  # closed before its set-up reached it

@@ -19,11 +19,12 @@ from gpo.rollout import Rollout, RolloutEngine, Sampling
 from gpo.rollout.base import concat_rollouts
 from gpo.rollout.hf import HFEngine
 from gpo.rollout.pipeline import RolloutPipeline, SamplerThread
-from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied, allow_open_files
+from gpo.rollout.worker import ProcessEngine, RolloutWorkerDied, allow_open_files, start_forkserver
 from gpo.testing import save_tiny_model
 from gpo.train.hooks import RolloutCallback
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
+from tests.worker_engines import MARK, NamesTheMark
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +310,33 @@ def test_the_open_file_limit_is_raised_for_the_copy_and_a_hard_limit_too_low_is_
                 allow_open_files(hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_worker_sees_the_trainers_environment_of_when_it_starts_not_the_servers(workspace, monkeypatch):
+    """The server was started earlier; a variable set since (a notebook's ``CUDA_VISIBLE_DEVICES`` between two fits)
+    reaches the worker."""
+    model, _ = workspace
+    start_forkserver()
+    monkeypatch.setenv(MARK, "set-after-the-server-started")
+    worker = ProcessEngine(NamesTheMark(sampling=Sampling(max_new_tokens=4)))
+    worker.setup(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model))
+    try:
+        with pytest.raises(RuntimeError, match=f"{MARK}=set-after-the-server-started"):
+            worker.generate([[5, 6, 7]], 2)
+    finally:
+        worker.close()
+
+
+def test_a_process_forked_after_the_server_started_starts_a_server_of_its_own():
+    """Lightning's ``ddp_fork`` after a pipelined fit in the same process: the forked rank's record of the server is
+    its parent's, which Python cannot check from the child (``ChildProcessError``) unless the child forgets it."""
+    start_forkserver()
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 when it could start (or find) its own server
+        try:
+            start_forkserver()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
