@@ -238,9 +238,9 @@ def check_precision(precision: str) -> None:
     """Refuse a ``trainer.precision`` gpo's update cannot honour. ``16-mixed`` (float16 autocast on a GPU; Lightning
     makes it ``bf16-mixed`` on a CPU) scales the loss with a GradScaler that unscales the gradients inside the
     optimiser step, after gpo has clipped them and checked them for non-finite values: the clip would see gradients
-    ~65,536 times too large and shrink every update to almost nothing. The ``*-true`` precisions cast the policy and
-    change the default dtype of every new tensor (rewards and metrics too), which ``model.dtype`` does for the
-    weights alone."""
+    ~65,536 times too large and shrink every update to almost nothing (seen on the CPU with a CPU GradScaler in
+    Lightning's ``MixedPrecision``). The ``*-true`` precisions cast the policy and change the default dtype of every
+    new tensor (rewards and metrics too), which ``model.dtype`` does for the weights alone."""
     if precision in PRECISIONS:
         return
     if precision == "16-mixed":
