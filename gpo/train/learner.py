@@ -11,6 +11,7 @@ from typing import Literal, NamedTuple
 
 import torch
 from lightning import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
@@ -48,6 +49,7 @@ class Backend:
     sharded: bool  # FSDP2: every rank must run the same number of forward passes
     device: torch.device
     step: int  # the optimiser step count, for messages
+    scaler: torch.amp.GradScaler | None  # float16 loss scaling (``trainer.precision: 16-mixed``), or None
 
 
 def lightning_backend(module: LightningModule) -> Backend:
@@ -59,8 +61,10 @@ def lightning_backend(module: LightningModule) -> Backend:
     def gradient_sync(last: bool) -> AbstractContextManager:
         return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) and not last else nullcontext()
 
+    precision = module.trainer.precision_plugin
+    scaler = precision.scaler if isinstance(precision, MixedPrecision) else None
     return Backend(module.optimizers(), module.lr_schedulers(), module.manual_backward, gradient_sync,
-                   fsdp.is_sharded(strategy), module.device, module.trainer.global_step)  # fmt: skip
+                   fsdp.is_sharded(strategy), module.device, module.trainer.global_step, scaler)  # fmt: skip
 
 
 class Learner:
@@ -241,15 +245,30 @@ class Learner:
             share = micro.count / len(batch.rollout) / self.optim.ppo_epochs
             measured.append((share, {key: value.detach() for key, value in metrics.items()}))
         loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
-        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
-        norm = fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)  # FSDP2: global norm
+        norm = self._clip(backend.scaler)
         loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()  # one host sync per update
+        if backend.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
+            log.info("optimiser step %d: the float16 loss scale overflowed the gradients; the scaler skips the update "
+                     "and lowers the scale", backend.step)  # fmt: skip
+            backend.optimizer.step()  # the scaler sees the overflow: no update, a lower scale
+            backend.scheduler.step()
+            return None
         if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step):
             backend.optimizer.zero_grad()
             return None
         backend.optimizer.step()
         backend.scheduler.step()
         return loss, norm
+
+    def _clip(self, scaler: torch.amp.GradScaler | None) -> Tensor:
+        """Clip the gradients' global norm at ``optim.max_grad_norm`` (FSDP2: over every rank's shards); returns the
+        norm before clipping. Under float16 loss scaling (``scaler``) the gradients are ``scale`` times the loss's
+        until the optimiser step unscales them: the bound is scaled alike, and the norm returned is the unscaled one."""
+        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
+        if scaler is None:
+            return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)
+        scale = scaler.get_scale()
+        return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm * scale) / scale
 
     def _micro_loss(self, batch: StepBatch, micro: Rows, normaliser: Tensor) -> tuple[Tensor, Metrics]:
         rollout, rows, width = batch.rollout, micro.index, micro.width

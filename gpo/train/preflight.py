@@ -229,25 +229,24 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
 
 
 #: ``trainer.precision`` values gpo trains with: full precision, or bfloat16 autocast (no loss scaling).
-PRECISIONS = ("32-true", "bf16-mixed")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 #: The ``model.dtype`` that gives the weights of a Lightning ``*-true`` precision.
 TRUE_PRECISION_DTYPES = {"bf16-true": "bfloat16", "16-true": "float16"}
 
 
-def check_precision(precision: str) -> None:
-    """Refuse a ``trainer.precision`` gpo's update cannot honour. ``16-mixed`` (float16 autocast on a GPU; Lightning
-    makes it ``bf16-mixed`` on a CPU) scales the loss with a GradScaler that unscales the gradients inside the
-    optimiser step, after gpo has clipped them and checked them for non-finite values: the clip would see gradients
-    ~65,536 times too large and shrink every update to almost nothing (seen on the CPU with a CPU GradScaler in
-    Lightning's ``MixedPrecision``). The ``*-true`` precisions cast the policy and change the default dtype of every
-    new tensor (rewards and metrics too), which ``model.dtype`` does for the weights alone."""
+def check_precision(precision: str, sharded: bool) -> None:
+    """Refuse a ``trainer.precision`` gpo's update cannot honour. The ``*-true`` precisions cast the policy and
+    change the default dtype of every new tensor (rewards and metrics too), which ``model.dtype`` does for the weights
+    alone. ``16-mixed`` (float16 autocast with loss scaling, on a GPU; Lightning makes it ``bf16-mixed`` on a CPU)
+    works in one process and under DDP, not under FSDP2 (``sharded``), whose ranks would each check their own shards
+    for an overflow and could disagree on skipping an update."""
+    if precision == "16-mixed" and sharded:
+        raise ValueError(
+            "trainer.precision=16-mixed is not supported under FSDP2 (its loss scaler checks each rank's shards "
+            "alone); use trainer.precision: bf16-mixed, or the strategy's mixed_precision: bf16."
+        )
     if precision in PRECISIONS:
         return
-    if precision == "16-mixed":
-        raise ValueError(
-            "trainer.precision=16-mixed scales the loss for float16, which gpo's update would clip unscaled; use "
-            "trainer.precision: bf16-mixed (bfloat16 autocast, no loss scaling), or model.dtype: float16."
-        )
     if precision in TRUE_PRECISION_DTYPES:
         raise ValueError(
             f"trainer.precision={precision} casts the policy and changes the dtype of every new tensor, rewards "
@@ -298,6 +297,6 @@ def check_run(module, trainer) -> None:
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
-        check_precision(trainer.precision)
+        check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy))
         fsdp.check_strategy(trainer.strategy)
         fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

@@ -37,7 +37,7 @@ def learner(policy, optim: Optimization | None = None, teacher=None, **objective
     optim = optim or Optimization(lr=1e-2)
     optimizer, scheduler = optim.build([p for p in policy.parameters() if p.requires_grad], None)
     backend = Backend(optimizer, scheduler, lambda loss: loss.backward(), lambda last: nullcontext(), False,
-                      torch.device("cpu"), 0)  # fmt: skip
+                      torch.device("cpu"), 0, None)  # fmt: skip
     teacher = LocalTeacher(teacher) if teacher is not None else None
     return Learner(
         scorer, objective, optim, old_logprobs="trainer", sampler_shares_weights=False, teacher=teacher

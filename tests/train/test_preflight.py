@@ -234,7 +234,7 @@ CLI_CASES = [
     bad("precision_16_true", "--trainer.precision=16-true", field="trainer.precision=16-true",
         fix="use model.dtype: float16"),
     bad("precision_64_true", "--trainer.precision=64-true", field="trainer.precision=64-true is not supported",
-        fix="use one of ['32-true', 'bf16-mixed']"),
+        fix="use one of ['32-true', 'bf16-mixed', '16-mixed']"),
 ]  # fmt: skip
 
 
@@ -247,11 +247,13 @@ def test_bad_config_fails_before_sampling_naming_field_and_fix(root, case):
     assert case.fix in message, message
 
 
-def test_float16_autocast_is_refused_for_its_loss_scaling_and_the_supported_precisions_pass():
-    with pytest.raises(ValueError, match=r"trainer.precision=16-mixed scales the loss .* use trainer.precision: bf16"):
-        check_precision("16-mixed")  # on a GPU only: Lightning makes it bf16-mixed on a CPU
+def test_float16_loss_scaling_is_refused_under_fsdp2_only_and_the_supported_precisions_pass():
+    with pytest.raises(ValueError, match=r"trainer.precision=16-mixed is not supported under FSDP2 .* bf16-mixed"):
+        check_precision("16-mixed", sharded=True)  # on a GPU only: Lightning makes it bf16-mixed on a CPU
+    for precision in ("32-true", "bf16-mixed", "16-mixed"):
+        check_precision(precision, sharded=False)
     for precision in ("32-true", "bf16-mixed"):
-        check_precision(precision)
+        check_precision(precision, sharded=True)
 
 
 @pytest.mark.parametrize(

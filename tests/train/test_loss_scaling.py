@@ -1,0 +1,64 @@
+"""``trainer.precision: 16-mixed``: float16 autocast with a loss scaler. Its gradients are ``scale`` times the loss's
+until the optimiser step unscales them; gpo clips and reports them unscaled, and an overflow lowers the scale without
+stopping the run. On the CPU a CPU ``GradScaler`` in Lightning's ``MixedPrecision`` stands in for a GPU's."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from gpo.train.optimization import Optimization
+from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return write_assets(tmp_path_factory.mktemp("loss_scaling"), examples=2000)
+
+
+class Logged(L.Callback):
+    """Each training batch's ``grad/norm``, ``train/nonfinite_skipped`` and reward."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        keys = ("grad/norm", "train/nonfinite_skipped", "reward")
+        self.rows.append({key: float(trainer.callback_metrics[key]) for key in keys})
+
+
+def fit(workspace, steps: int, scaler: torch.amp.GradScaler | None, **module_kwargs) -> tuple[Logged, L.Trainer]:
+    model, data = workspace
+    L.seed_everything(0)
+    module = tiny_module(model, group_size=8, old_logprobs="trainer", **module_kwargs)
+    logged = Logged()
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if scaler is not None else []
+    trainer = quiet_trainer(steps, [logged], plugins=plugins)
+    trainer.fit(module, prompts(model, data, 8))
+    return logged, trainer
+
+
+def test_the_gradient_is_clipped_and_reported_unscaled(workspace):
+    """Step by step, float32's gradient norm (to float16's rounding), not 2^16 times it (the scaler's initial
+    scale): the same samples, so the same updates, clipped at the same bound (0.1, below these norms)."""
+    optim = Optimization(lr=1e-3, max_grad_norm=0.1)
+    full, _ = fit(workspace, 12, None, optim=optim)
+    scaled, trainer = fit(workspace, 12, torch.amp.GradScaler("cpu"), optim=optim)
+    assert trainer.precision == "16-mixed"
+    expected, got = [row["grad/norm"] for row in full.rows], [row["grad/norm"] for row in scaled.rows]
+    assert any(norm > 0 for norm in expected)
+    assert got == pytest.approx(expected, rel=0.01), (expected, got)
+
+
+def test_an_overflow_lowers_the_scale_and_the_run_goes_on(workspace):
+    """A scale of 2^40 overflows float16's gradients: the scaler skips that update and lowers its scale (to 2^16
+    here), which is no non-finite step of gpo's (one in a row would stop this run), and the run trains on."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-24)
+    optim = Optimization(lr=1e-3, max_consecutive_nonfinite=1)
+    scaled, _ = fit(workspace, 12, scaler, optim=optim)
+    skipped = [row["train/nonfinite_skipped"] for row in scaled.rows]
+    assert skipped.count(1.0) >= 1 and scaler.get_scale() <= 2.0**16, (skipped, scaler.get_scale())
+    applied = [row["grad/norm"] for row in scaled.rows if row["train/nonfinite_skipped"] == 0 and row["grad/norm"] > 0]
+    assert applied and all(math.isfinite(norm) and norm < 100 for norm in applied), applied
