@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from gpo.algo.gates import NoGate, RatioGate
 from gpo.models.loading import check_pretrained_folder
 from gpo.rewards.runner import reward_name
@@ -234,16 +236,22 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 TRUE_PRECISION_DTYPES = {"bf16-true": "bfloat16", "16-true": "float16"}
 
 
-def check_precision(precision: str, sharded: bool) -> None:
+def check_precision(precision: str, sharded: bool, weights: torch.dtype) -> None:
     """Refuse a ``trainer.precision`` gpo's update cannot honour. The ``*-true`` precisions cast the policy and
     change the default dtype of every new tensor (rewards and metrics too), which ``model.dtype`` does for the weights
     alone. ``16-mixed`` (float16 autocast with loss scaling, on a GPU; Lightning makes it ``bf16-mixed`` on a CPU)
-    works in one process and under DDP, not under FSDP2 (``sharded``), whose ranks would each check their own shards
-    for an overflow and could disagree on skipping an update."""
+    computes in float16 from float32 ``weights``, and works in one process and under DDP, not under FSDP2
+    (``sharded``), whose ranks would each check their own shards for an overflow and could disagree on skipping an
+    update."""
     if precision == "16-mixed" and sharded:
         raise ValueError(
             "trainer.precision=16-mixed is not supported under FSDP2 (its loss scaler checks each rank's shards "
             "alone); use trainer.precision: bf16-mixed, or the strategy's mixed_precision: bf16."
+        )
+    if precision == "16-mixed" and weights != torch.float32:
+        raise ValueError(
+            f"trainer.precision=16-mixed computes in float16 from float32 weights, and model.dtype is "
+            f"{str(weights).removeprefix('torch.')}: set model.dtype: float32 (or leave trainer.precision at 32-true)."
         )
     if precision in PRECISIONS:
         return
@@ -297,6 +305,6 @@ def check_run(module, trainer) -> None:
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
-        check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy))
+        check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy), module.model.dtype)
         fsdp.check_strategy(trainer.strategy)
         fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import pytest
+import torch
 import yaml
 
 from gpo.cli import main, run
@@ -247,13 +248,17 @@ def test_bad_config_fails_before_sampling_naming_field_and_fix(root, case):
     assert case.fix in message, message
 
 
-def test_float16_loss_scaling_is_refused_under_fsdp2_only_and_the_supported_precisions_pass():
+def test_float16_loss_scaling_needs_float32_weights_and_no_fsdp2_and_the_supported_precisions_pass():
+    fp32 = torch.float32
     with pytest.raises(ValueError, match=r"trainer.precision=16-mixed is not supported under FSDP2 .* bf16-mixed"):
-        check_precision("16-mixed", sharded=True)  # on a GPU only: Lightning makes it bf16-mixed on a CPU
+        check_precision("16-mixed", True, fp32)  # on a GPU only: Lightning makes it bf16-mixed on a CPU
+    for weights in (torch.float16, torch.bfloat16):  # each fails inside the first steps otherwise
+        with pytest.raises(ValueError, match=r"16-mixed computes in float16 from float32 weights, and model.dtype"):
+            check_precision("16-mixed", False, weights)
     for precision in ("32-true", "bf16-mixed", "16-mixed"):
-        check_precision(precision, sharded=False)
+        check_precision(precision, False, fp32)
     for precision in ("32-true", "bf16-mixed"):
-        check_precision(precision, sharded=True)
+        check_precision(precision, True, fp32)
 
 
 @pytest.mark.parametrize(
