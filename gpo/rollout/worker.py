@@ -222,8 +222,9 @@ def serve(
     connection: Connection,
 ) -> None:  # fmt: skip
     """The worker process: take the trainer's ``environment`` (the server's is that of the moment it started; a
-    worker numbers GPUs by the trainer's ``CUDA_VISIBLE_DEVICES``), receive the mapped copy of the policy (the first
-    request, ``setup``), set ``engine`` up on it, answer requests, release the copy."""
+    worker numbers GPUs by the trainer's ``CUDA_VISIBLE_DEVICES``: the copy of the policy arrives afterwards), receive
+    the mapped copy of the policy (the first request, ``setup``), set ``engine`` up on it, answer requests, release
+    the copy. Modules imported while ``engine`` was unpickled, before this runs, saw the server's environment."""
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(threads)

@@ -245,11 +245,13 @@ class Learner:
             share = micro.count / len(batch.rollout) / self.optim.ppo_epochs
             measured.append((share, {key: value.detach() for key, value in metrics.items()}))
         loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
-        norm = self._clip(backend.scaler)
+        scale = backend.scaler.get_scale() if backend.scaler is not None else 1.0  # 16-mixed: a second host sync
+        norm = self._clip(scale)
         loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()  # one host sync per update
-        if backend.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
-            log.info("optimiser step %d: the float16 loss scale overflowed the gradients; the scaler skips the update "
-                     "and lowers the scale", backend.step)  # fmt: skip
+        if scale >= 1.0 and backend.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
+            # A scale below 1 cannot overflow float16: there the gradient itself is not finite, for the guard below.
+            log.info("optimiser step %d: the float16 loss scale %g overflowed the gradients; the scaler skips the "
+                     "update and lowers the scale", backend.step, scale)  # fmt: skip
             backend.optimizer.step()  # the scaler sees the overflow: no update, a lower scale
             backend.scheduler.step()
             return None
@@ -260,14 +262,13 @@ class Learner:
         backend.scheduler.step()
         return loss, norm
 
-    def _clip(self, scaler: torch.amp.GradScaler | None) -> Tensor:
+    def _clip(self, scale: float) -> Tensor:
         """Clip the gradients' global norm at ``optim.max_grad_norm`` (FSDP2: over every rank's shards); returns the
-        norm before clipping. Under float16 loss scaling (``scaler``) the gradients are ``scale`` times the loss's
-        until the optimiser step unscales them: the bound is scaled alike, and the norm returned is the unscaled one."""
+        norm before clipping. Under float16 loss scaling the gradients are ``scale`` times the loss's until the
+        optimiser step unscales them: the bound is scaled alike, and the norm returned is the unscaled one."""
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
-        if scaler is None:
+        if scale == 1.0:
             return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)
-        scale = scaler.get_scale()
         return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm * scale) / scale
 
     def _micro_loss(self, batch: StepBatch, micro: Rows, normaliser: Tensor) -> tuple[Tensor, Metrics]:

@@ -230,7 +230,7 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
     return aliased
 
 
-#: ``trainer.precision`` values gpo trains with: full precision, or bfloat16 autocast (no loss scaling).
+#: ``trainer.precision`` values gpo trains with: full precision, bfloat16 autocast, float16 autocast with loss scaling.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 #: The ``model.dtype`` that gives the weights of a Lightning ``*-true`` precision.
 TRUE_PRECISION_DTYPES = {"bf16-true": "bfloat16", "16-true": "float16"}

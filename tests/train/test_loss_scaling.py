@@ -29,23 +29,34 @@ class Logged(L.Callback):
         self.rows.append({key: float(trainer.callback_metrics[key]) for key in keys})
 
 
-def fit(workspace, steps: int, scaler: torch.amp.GradScaler | None, **module_kwargs) -> tuple[Logged, L.Trainer]:
+class NaNGradients(L.Callback):
+    """Every gradient of the policy's first parameter is NaN (the loss stays finite)."""
+
+    def on_train_start(self, trainer, pl_module):
+        next(pl_module.policy.parameters()).register_hook(lambda grad: torch.full_like(grad, math.nan))
+
+
+def fit(
+    workspace, steps: int, scaler: torch.amp.GradScaler | None, *callbacks: L.Callback, **module_kwargs
+) -> tuple[Logged, L.Trainer]:
     model, data = workspace
     L.seed_everything(0)
     module = tiny_module(model, group_size=8, old_logprobs="trainer", **module_kwargs)
     logged = Logged()
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if scaler is not None else []
-    trainer = quiet_trainer(steps, [logged], plugins=plugins)
+    trainer = quiet_trainer(steps, [logged, *callbacks], plugins=plugins)
     trainer.fit(module, prompts(model, data, 8))
     return logged, trainer
 
 
-def test_the_gradient_is_clipped_and_reported_unscaled(workspace):
-    """Step by step, float32's gradient norm (to float16's rounding), not 2^16 times it (the scaler's initial
-    scale): the same samples, so the same updates, clipped at the same bound (0.1, below these norms)."""
-    optim = Optimization(lr=1e-3, max_grad_norm=0.1)
-    full, _ = fit(workspace, 12, None, optim=optim)
-    scaled, trainer = fit(workspace, 12, torch.amp.GradScaler("cpu"), optim=optim)
+@pytest.mark.parametrize(("max_grad_norm", "minibatches"), [(0.1, 1), (None, 2)], ids=["clipped", "two_minibatches"])
+def test_the_gradient_is_clipped_and_reported_unscaled(workspace, max_grad_norm, minibatches):
+    """Update by update, float32's gradient norm (to float16's rounding), not 2^16 times it (the scaler's initial
+    scale): the same samples, so the same updates, clipped at the same bound (0.1 is below these norms), or not
+    clipped at all, and with two updates a step. Four steps: later, float16's rounding may flip a sampled token."""
+    optim = Optimization(lr=1e-3, max_grad_norm=max_grad_norm, number_of_minibatches=minibatches)
+    full, _ = fit(workspace, 4 * minibatches, None, optim=optim)
+    scaled, trainer = fit(workspace, 4 * minibatches, torch.amp.GradScaler("cpu"), optim=optim)
     assert trainer.precision == "16-mixed"
     expected, got = [row["grad/norm"] for row in full.rows], [row["grad/norm"] for row in scaled.rows]
     assert any(norm > 0 for norm in expected)
@@ -62,3 +73,13 @@ def test_an_overflow_lowers_the_scale_and_the_run_goes_on(workspace):
     assert skipped.count(1.0) >= 1 and scaler.get_scale() <= 2.0**16, (skipped, scaler.get_scale())
     applied = [row["grad/norm"] for row in scaled.rows if row["train/nonfinite_skipped"] == 0 and row["grad/norm"] > 0]
     assert applied and all(math.isfinite(norm) and norm < 100 for norm in applied), applied
+
+
+def test_a_gradient_that_stays_nan_still_stops_the_run(workspace):
+    """The scaler takes a NaN gradient for an overflow and lowers its scale; once the scale is below 1 (where float16
+    cannot overflow) the non-finite updates count, and two in a row stop the run."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    optim = Optimization(lr=1e-3, max_consecutive_nonfinite=2)
+    with pytest.raises(FloatingPointError, match="2 updates in a row had a non-finite loss or gradient"):
+        fit(workspace, 12, scaler, NaNGradients(), optim=optim)
+    assert scaler.get_scale() == 0.5  # 4 -> 2 -> 1 -> 0.5, then the two updates the guard counted
