@@ -3,12 +3,15 @@ until the optimiser step unscales them; gpo clips and reports them unscaled, and
 stopping the run. On the CPU a CPU ``GradScaler`` in Lightning's ``MixedPrecision`` stands in for a GPU's."""
 
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from gpo.callbacks import ResumeCheckpoint
 from gpo.train.optimization import Optimization
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 
@@ -37,15 +40,17 @@ class NaNGradients(L.Callback):
 
 
 def fit(
-    workspace, steps: int, scaler: torch.amp.GradScaler | None, *callbacks: L.Callback, **module_kwargs
-) -> tuple[Logged, L.Trainer]:
+    workspace, steps: int, scaler: torch.amp.GradScaler | None, *callbacks: L.Callback, ckpt_path: Path | None = None,
+    **module_kwargs,
+) -> tuple[Logged, L.Trainer]:  # fmt: skip
     model, data = workspace
     L.seed_everything(0)
     module = tiny_module(model, group_size=8, old_logprobs="trainer", **module_kwargs)
     logged = Logged()
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if scaler is not None else []
-    trainer = quiet_trainer(steps, [logged, *callbacks], plugins=plugins)
-    trainer.fit(module, prompts(model, data, 8))
+    checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    trainer = quiet_trainer(steps, [logged, *callbacks], plugins=plugins, enable_checkpointing=checkpointing)
+    trainer.fit(module, prompts(model, data, 8), ckpt_path=ckpt_path)
     return logged, trainer
 
 
@@ -73,6 +78,25 @@ def test_an_overflow_lowers_the_scale_and_the_run_goes_on(workspace):
     assert skipped.count(1.0) >= 1 and scaler.get_scale() <= 2.0**16, (skipped, scaler.get_scale())
     applied = [row["grad/norm"] for row in scaled.rows if row["train/nonfinite_skipped"] == 0 and row["grad/norm"] > 0]
     assert applied and all(math.isfinite(norm) and norm < 100 for norm in applied), applied
+
+
+def test_a_resumed_run_restores_the_loss_scale_and_ends_as_the_run_that_never_stopped(workspace, tmp_path):
+    """The scaler's state is in the checkpoint: a run whose first step overflowed (its scale lowered from 2^40 to
+    2^16) and that resumed after 4 steps ends with the weights and the scale of the 8-step run. Resumed at 2^40, its
+    fifth step would have been skipped."""
+
+    def scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-24)
+
+    optim = Optimization(lr=1e-3, lr_schedule="constant")  # a decaying schedule depends on max_steps by design
+    whole_scaler, first_scaler, rest_scaler = scaler(), scaler(), scaler()
+    _, whole = fit(workspace, 8, whole_scaler, optim=optim)
+    fit(workspace, 4, first_scaler, ResumeCheckpoint(tmp_path), optim=optim)
+    assert first_scaler.get_scale() == 2.0**16
+    _, rest = fit(workspace, 8, rest_scaler, ResumeCheckpoint(tmp_path), ckpt_path=tmp_path / "last.ckpt", optim=optim)
+    assert rest_scaler.get_scale() == whole_scaler.get_scale()
+    expected, got = whole.lightning_module.policy.state_dict(), rest.lightning_module.policy.state_dict()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
 
 
 def test_a_gradient_that_stays_nan_still_stops_the_run(workspace):
