@@ -180,6 +180,8 @@ class Learner:
         out["loss"], out["grad/norm"] = (mean(losses), mean(norms)) if losses else (zero + math.nan, zero + math.nan)
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
+        if backend.scaler is not None:  # 16-mixed: the loss scale the next update starts from
+            out["train/loss_scale"] = zero + backend.scaler.get_scale()
         if self.objective.adapts and "entropy" in out:  # the adaptive coefficient follows the mean over every rank
             entropy = collectives.mean_over_ranks(out["entropy"])
             steered = self.objective.end_step({"entropy": entropy})

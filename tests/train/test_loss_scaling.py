@@ -28,8 +28,8 @@ class Logged(L.Callback):
         self.rows: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        keys = ("grad/norm", "train/nonfinite_skipped", "reward")
-        self.rows.append({key: float(trainer.callback_metrics[key]) for key in keys})
+        keys = ("grad/norm", "train/nonfinite_skipped", "reward", "train/loss_scale")
+        self.rows.append({key: float(trainer.callback_metrics[key]) for key in keys if key in trainer.callback_metrics})
 
 
 class NaNGradients(L.Callback):
@@ -76,6 +76,8 @@ def test_an_overflow_lowers_the_scale_and_the_run_goes_on(workspace):
     scaled, _ = fit(workspace, 12, scaler, optim=optim)
     skipped = [row["train/nonfinite_skipped"] for row in scaled.rows]
     assert skipped.count(1.0) >= 1 and scaler.get_scale() <= 2.0**16, (skipped, scaler.get_scale())
+    first = skipped.index(1.0)  # the logged scale: 2^40 until that step, lowered by it
+    assert [row["train/loss_scale"] for row in scaled.rows[: first + 1]] == [2.0**40] * first + [2.0**16]
     applied = [row["grad/norm"] for row in scaled.rows if row["train/nonfinite_skipped"] == 0 and row["grad/norm"] > 0]
     assert applied and all(math.isfinite(norm) and norm < 100 for norm in applied), applied
 
