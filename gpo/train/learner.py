@@ -269,9 +269,8 @@ class Learner:
         norm before clipping. Under float16 loss scaling the gradients are ``scale`` times the loss's until the
         optimiser step unscales them: the bound is scaled alike, and the norm returned is the unscaled one."""
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
-        if scale == 1.0:
-            return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm)
-        return fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm * scale) / scale
+        norm = fsdp.clip_grad_norm(self.scorer.policy.parameters(), max_norm * scale)
+        return norm if scale == 1.0 else norm / scale  # no division (a kernel) without loss scaling
 
     def _micro_loss(self, batch: StepBatch, micro: Rows, normaliser: Tensor) -> tuple[Tensor, Metrics]:
         rollout, rows, width = batch.rollout, micro.index, micro.width
