@@ -14,6 +14,24 @@ from gpo.models.scorer import TokenScorer
 from gpo.parallel.fsdp import sampling_mode
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
+#: The settings of a transformers generation config that reshape the distribution ``generate`` samples from (or the
+#: rows it returns), at the value that leaves the policy's own softmax at the sampling temperature, the distribution
+#: the trainer scores. ``generate`` takes every setting its config leaves unset from the checkpoint's
+#: ``generation_config.json``, and checkpoints set some: Qwen2.5's instruct models a ``repetition_penalty`` of 1.05-1.1.
+NEUTRAL_GENERATION = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "guidance_scale": 1.0, "renormalize_logits": False, "remove_invalid_values": False, "num_beams": 1,
+    "num_return_sequences": 1,
+}  # fmt: skip
+#: Such settings whose only neutral value is None, which ``generate`` fills from the checkpoint: refused when set
+#: (``min_new_tokens=0`` would set ``min_length`` to the prompt's length, a processor running at every token).
+UNNEUTRAL_GENERATION = (
+    "min_new_tokens", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "top_h", "watermarking_config", "max_time",
+    "stop_strings", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
+)  # fmt: skip
+
 
 def grouped_prompts(
     prompt_ids: list[list[int]], n: int, pad_id: int, device: torch.device | str = "cpu"
@@ -67,6 +85,7 @@ class HFEngine(RolloutEngine):
         self.scorer: TokenScorer | None = None
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        check_generation_config(policy)
         self.policy, self.tokenizer = policy, tokenizer
         self.scorer = TokenScorer(policy, temperature=self.sampling.temperature)
         self.generation_configs: dict[tuple[Sampling, bool], GenerationConfig] = {}
@@ -116,13 +135,15 @@ class HFEngine(RolloutEngine):
         return rollout
 
     def _generation_config(self, sampling: Sampling, greedy: bool) -> GenerationConfig:
-        """The policy's own generation config (its checkpoint's defaults) with ``sampling`` over it, built once per
-        setting: given none, every ``generate`` call rebuilds and re-validates one (about 2 ms each)."""
+        """The policy's own generation config (its token ids, cache settings) with ``sampling`` over it and every
+        setting that would change the sampled distribution neutral (``NEUTRAL_GENERATION``), built once per setting:
+        given none, every ``generate`` call rebuilds and re-validates one (about 2 ms each)."""
         key = (sampling, greedy)
         if key not in self.generation_configs:
             s, base = sampling, self.policy.generation_config
             config = copy.deepcopy(base) if base is not None else GenerationConfig()
-            config.update(max_new_tokens=s.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id)
+            config.update(**NEUTRAL_GENERATION, max_new_tokens=s.max_new_tokens, eos_token_id=self.eos_id,
+                          pad_token_id=self.pad_id)  # fmt: skip
             sampled = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
             config.update(**({"do_sample": False} if greedy else sampled))
             self.generation_configs[key] = config
@@ -130,6 +151,23 @@ class HFEngine(RolloutEngine):
 
     def _sample(self, ids: Tensor, mask: Tensor, config: GenerationConfig) -> Tensor:
         return self.policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+
+
+def check_generation_config(policy: PreTrainedModel) -> None:
+    """Refuse a policy whose generation config sets one of ``UNNEUTRAL_GENERATION``: ``generate`` would apply it, and
+    the completions would come from another distribution than the policy the trainer scores."""
+    config = policy.generation_config
+    active = {name: getattr(config, name) for name in UNNEUTRAL_GENERATION} if config is not None else {}
+    active = {name: value for name, value in active.items() if value is not None}
+    if active:
+        settings = ", ".join(f"{name}={value!r}" for name, value in active.items())
+        folder = f" ({policy.name_or_path})" if policy.name_or_path else ""
+        raise ValueError(
+            f"the policy's generation config sets {settings}, which transformers' generate would apply when HFEngine "
+            "samples: the completions would not come from the policy the trainer scores. Remove it from the "
+            f"generation_config.json of the policy's folder{folder}, or set it to None in the generation_config of a "
+            "loaded policy."
+        )
 
 
 def seed_generator(seed: int, device: torch.device) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -72,6 +75,18 @@ def isolated_from_trainer(*, threads: int, eager: bool) -> Iterator[None]:
         for key in set(os.environ) - set(environ):
             del os.environ[key]
         os.environ.update(environ)
+
+
+@contextlib.contextmanager
+def tokenizer_eos_only(eos_id: int) -> Iterator[str]:
+    """A folder whose ``generation_config.json`` holds only ``eos_token_id``, for vLLM's ``generation_config`` while
+    the engine is built. vLLM reads its generation settings from there instead of the checkpoint's file, which may
+    list EOS ids beyond the tokenizer's (Qwen2.5's instruct models list ``<|endoftext|>`` beside ``<|im_end|>``):
+    vLLM would stop at each, where ``HFEngine`` and the trainer's masks end a completion at the tokenizer's only. The
+    checkpoint's penalties, which vLLM would otherwise read as default sampling settings, stay out too."""
+    with tempfile.TemporaryDirectory(prefix="gpo-generation-config-") as folder:
+        (Path(folder) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+        yield folder
 
 
 class VLLMEngine(RolloutEngine):
@@ -157,9 +172,11 @@ class VLLMEngine(RolloutEngine):
 
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; restored after
             # No tokenizer in vLLM: prompts go in and completions come out as token ids.
-            self.llm = LLM(
-                model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
-            )
+            with tokenizer_eos_only(self.eos_id) as generation_config:
+                self.llm = LLM(
+                    model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                    generation_config=generation_config, **self.engine_args,
+                )  # fmt: skip
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)
         self.folder = folder

@@ -1,3 +1,6 @@
+import copy
+import re
+
 import pytest
 import torch
 
@@ -57,6 +60,50 @@ def test_generates_n_grouped_samples_with_masks_and_logprobs(policy_and_tokenize
     ref = naive_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1], 0.9)
     real = rollout.completion_mask.bool()
     torch.testing.assert_close(rollout.logp[real].double(), ref[real], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt: list[int], budget: int, eos: int) -> list[int]:
+    """Argmax of the policy's own logits, one full forward pass per token, up to EOS or ``budget`` tokens."""
+    ids = list(prompt)
+    while len(ids) - len(prompt) < budget and (len(ids) == len(prompt) or ids[-1] != eos):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_the_checkpoints_own_generation_settings_do_not_reach_the_samples(policy_and_tokenizer):
+    """A checkpoint's generation config may set a repetition penalty (Qwen2.5's instruct models do), banned n-grams,
+    a minimum length, more rows per prompt; ``generate`` applies whatever its config leaves unset from there. The
+    engine samples the policy itself: the same samples as without those settings, and greedy completions that are
+    the argmax of the policy's logits."""
+    model, tok = policy_and_tokenizer
+    prompts = [tok(text).input_ids for text in ("sort 312:", "ab")]
+    plain = engine(policy_and_tokenizer, max_new_tokens=12)
+    settings = {"repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "min_length": 40, "typical_p": 0.5,
+                "num_return_sequences": 2, "do_sample": True}  # fmt: skip
+    checkpoint = copy.deepcopy(model)
+    checkpoint.generation_config.update(**settings)
+    own = engine((checkpoint, tok), max_new_tokens=12)
+    sampled = own.generate(prompts, n=4, seed=0)
+    assert torch.equal(sampled.completion_ids, plain.generate(prompts, n=4, seed=0).completion_ids)
+    assert not bool(sampled.truncated.all())  # min_length would have forbidden EOS
+    for prompt in prompts:
+        greedy = own.generate([prompt], n=1, greedy=True)
+        tokens = greedy.completion_ids[0][greedy.completion_mask[0].bool()].tolist()
+        assert tokens == naive_greedy(model, prompt, 12, tok.eos_token_id)
+
+
+@pytest.mark.parametrize(
+    "setting", [{"min_p": 0.1}, {"forced_eos_token_id": 5}, {"suppress_tokens": [5, 6]}, {"min_new_tokens": 3}]
+)
+def test_a_checkpoint_setting_that_cannot_be_neutralised_is_refused_at_setup(policy_and_tokenizer, setting):
+    """Settings whose off value is None, which ``generate`` would fill from the checkpoint: the error names them."""
+    model, tok = policy_and_tokenizer
+    checkpoint = copy.deepcopy(model)
+    checkpoint.generation_config.update(**setting)
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=rf"sets {re.escape(f'{name}={value!r}')}.*generation_config.json"):
+        HFEngine().setup(checkpoint, tok)
 
 
 def test_seed_makes_sampling_reproducible_and_greedy_is_deterministic(policy_and_tokenizer):

@@ -22,8 +22,22 @@ PROMPTS = ("sort 312:", "ab", "a longer prompt that fills more than one KV cache
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The tiny model and its tokenizer. Its folder's generation_config.json, like Qwen2.5's instruct models', sets a
+    repetition penalty and a second EOS id (the first token the model picks greedily after the first prompt): neither
+    engine may apply them, so every test here checks that they do not."""
     folder = save_tiny_model(tmp_path_factory.mktemp("vllm_engine") / "llama")
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
+    return with_checkpoint_generation_settings(folder), char_tokenizer()
+
+
+def with_checkpoint_generation_settings(folder):
+    """The model of ``folder``, whose generation_config.json now sets a repetition penalty of 1.3 and, beside the
+    tokenizer's EOS, the token the model picks greedily after the first prompt as an EOS id."""
+    model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
+    with torch.no_grad():
+        first = int(model(input_ids=torch.tensor([tok(PROMPTS[0]).input_ids])).logits[0, -1].argmax())
+    model.generation_config.update(do_sample=True, repetition_penalty=1.3, eos_token_id=[tok.eos_token_id, first])
+    model.generation_config.save_pretrained(folder)
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,15 @@ API_KEY = "a-test-key"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(model, tokenizer, engine, folder, data) with the engine set up against two servers of ``folder``; both need
-    an API key, which they and the engine read from ``VLLM_API_KEY``."""
+    an API key, which they and the engine read from ``VLLM_API_KEY``. The folder's generation_config.json sets a
+    repetition penalty, as Qwen2.5's instruct models' do, which the servers would apply to every request that leaves
+    it out: every test here checks that the completions come from the policy alone."""
     root = tmp_path_factory.mktemp("vllm_server")
     folder = save_tiny_model(root / "llama")
     data = write_jsonl(make_task("sort_digits", 32), root / "train.jsonl")
     model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
+    model.generation_config.update(do_sample=True, repetition_penalty=1.3)
+    model.generation_config.save_pretrained(folder)
     with pytest.MonkeyPatch.context() as env, ExitStack() as servers:
         env.setenv("VLLM_API_KEY", API_KEY)
         urls = [servers.enter_context(vllm_server(folder, root / f"server{i}.log")) for i in range(2)]  # start at once
