@@ -27,9 +27,9 @@ NEUTRAL_GENERATION = {
 #: Such settings whose only neutral value is None, which ``generate`` fills from the checkpoint: refused when set
 #: (``min_new_tokens=0`` would set ``min_length`` to the prompt's length, a processor running at every token).
 UNNEUTRAL_GENERATION = (
-    "min_new_tokens", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
-    "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "top_h", "watermarking_config", "max_time",
-    "stop_strings", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
+    "min_new_tokens", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
+    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "top_h",
+    "watermarking_config", "max_time", "stop_strings", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
 )  # fmt: skip
 
 
@@ -135,15 +135,17 @@ class HFEngine(RolloutEngine):
         return rollout
 
     def _generation_config(self, sampling: Sampling, greedy: bool) -> GenerationConfig:
-        """The policy's own generation config (its token ids, cache settings) with ``sampling`` over it and every
-        setting that would change the sampled distribution neutral (``NEUTRAL_GENERATION``), built once per setting:
-        given none, every ``generate`` call rebuilds and re-validates one (about 2 ms each)."""
+        """The policy's own generation config (its token ids, cache settings) with ``sampling`` over it, every setting
+        that would change the sampled distribution neutral (``NEUTRAL_GENERATION``) and the KV cache on, built once
+        per setting: given none, every ``generate`` call rebuilds and re-validates one (about 2 ms each)."""
         key = (sampling, greedy)
         if key not in self.generation_configs:
             s, base = sampling, self.policy.generation_config
             config = copy.deepcopy(base) if base is not None else GenerationConfig()
+            # use_cache: a checkpoint saved from a run with gradient checkpointing often has use_cache false in its
+            # config, from which its generation config takes it: each token would re-run the whole sequence.
             config.update(**NEUTRAL_GENERATION, max_new_tokens=s.max_new_tokens, eos_token_id=self.eos_id,
-                          pad_token_id=self.pad_id)  # fmt: skip
+                          pad_token_id=self.pad_id, use_cache=True)  # fmt: skip
             sampled = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
             config.update(**({"do_sample": False} if greedy else sampled))
             self.generation_configs[key] = config

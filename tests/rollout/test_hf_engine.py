@@ -93,6 +93,22 @@ def test_the_checkpoints_own_generation_settings_do_not_reach_the_samples(policy
         assert tokens == naive_greedy(model, prompt, 12, tok.eos_token_id)
 
 
+def test_a_checkpoint_saved_without_its_kv_cache_still_samples_with_one(policy_and_tokenizer):
+    """A checkpoint saved from a run with gradient checkpointing often has ``use_cache: false``; sampling from it
+    still feeds the model one new token per step after the prompt, and samples what the cached model samples."""
+    model, tok = policy_and_tokenizer
+    checkpoint = copy.deepcopy(model)
+    checkpoint.config.use_cache = checkpoint.generation_config.use_cache = False
+    widths = []
+    checkpoint.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                         with_kwargs=True)  # fmt: skip
+    prompts = [tok("sort 312:").input_ids]
+    sampled = engine((checkpoint, tok), max_new_tokens=6).generate(prompts, n=2, seed=0, logprobs=False)
+    assert widths[0] == len(prompts[0]) and set(widths[1:]) == {1} and len(widths) > 1
+    plain = engine(policy_and_tokenizer, max_new_tokens=6).generate(prompts, n=2, seed=0, logprobs=False)
+    assert torch.equal(sampled.completion_ids, plain.completion_ids)
+
+
 @pytest.mark.parametrize(
     "setting", [{"min_p": 0.1}, {"forced_eos_token_id": 5}, {"suppress_tokens": [5, 6]}, {"min_new_tokens": 3}]
 )
