@@ -67,7 +67,8 @@ def score_tokens(
     targets = input_ids[:, start:]  # [B, T]
     if at_ids is not None:
         targets = torch.cat([targets[..., None], at_ids], dim=-1)  # [B, T, 1 + k]
-    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
+    # use_cache=False: a scoring pass needs no KV cache, which the model would otherwise build layer by layer
+    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids(attention_mask), "use_cache": False}
     if router:
         kwargs["output_router_logits"] = True
     # FSDP2 gathers the root unit (embeddings, output layer) only in the model's own forward: no decoder-only call

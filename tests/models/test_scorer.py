@@ -55,3 +55,17 @@ def test_batched_rollout_scores_equal_one_pass(batch):
     split = scorer.rollout_scores(rollout, entropy=True, topk=2, batch_size=1)
     for a, b in zip(whole[:2] + whole[3:], split[:2] + split[3:], strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_scoring_pass_builds_no_kv_cache(batch, training):
+    """Scoring runs the model once over whole sequences: a KV cache would be built layer by layer for nothing."""
+    model, ids, mask = batch
+    caches = []
+    hook = model.model.register_forward_hook(lambda _, args, out: caches.append(out.past_key_values))
+    try:
+        with torch.set_grad_enabled(training):
+            score_tokens(model, ids, mask, 4, entropy=training)
+    finally:
+        hook.remove()
+    assert caches == [None]
