@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
+
+#: Seconds between two redraws at least (tqdm's own floor): each costs about 0.3 ms on a CPU (the metrics copied to the
+#: host, formatted and written), a few percent of a fast step, and no one reads ten redraws a second.
+REDRAW_INTERVAL_S = 0.1
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -20,12 +26,16 @@ class StepProgressBar(TQDMProgressBar):
     is Lightning's. Metrics that reach the bar as tensors (gpo publishes them without a host copy) are shown as
     numbers. Needs nothing from the LightningModule.
 
+    The count moves every step; the bar is redrawn (with its metrics) at most every ``REDRAW_INTERVAL_S`` seconds,
+    and at the last step.
+
     Args:
-        refresh_rate: redraw the bar every this many batches (and at the last step).
+        refresh_rate: redraw the bar every this many batches at most (and at the last step).
     """
 
     def __init__(self, refresh_rate: int = 1) -> None:
         super().__init__(refresh_rate=refresh_rate)  # one bar for the whole run: none is left behind per epoch
+        self._redrawn_at = -math.inf  # time.monotonic() of the last redraw
 
     @override
     def on_train_start(self, trainer: L.Trainer, *_: Any) -> None:
@@ -55,10 +65,12 @@ class StepProgressBar(TQDMProgressBar):
         if trainer.max_steps <= 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
-        bar = self.train_progress_bar
-        if (batch_idx + 1) % self.refresh_rate == 0 or trainer.global_step >= trainer.max_steps:
-            bar.n = trainer.global_step
+        bar, now = self.train_progress_bar, time.monotonic()
+        bar.n = trainer.global_step  # shown at the next redraw
+        due = (batch_idx + 1) % self.refresh_rate == 0 and now - self._redrawn_at >= REDRAW_INTERVAL_S
+        if due or trainer.global_step >= trainer.max_steps:
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar
+            self._redrawn_at = now
 
     @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """StepProgressBar: optimiser steps out of trainer.max_steps, over epochs, with several steps per batch and resumed."""
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
+import gpo.callbacks.step_progress
 from gpo.callbacks import StepProgressBar
 
 STEPS_PER_BATCH = 2  # as with model.optim.number_of_minibatches = 2
@@ -61,6 +63,42 @@ def test_the_bar_counts_optimiser_steps_out_of_max_steps_across_epochs(tmp_path)
     assert rows == [(2 * batch, 14, 2 * batch) for batch in range(1, 8)]
     bar = trainer.progress_bar_callback.train_progress_bar
     assert bar.desc.startswith("Epoch 1, step") and "reward=0.5" in bar.postfix, (bar.desc, bar.postfix)
+
+
+class Redraws(L.Callback):
+    """The global step at each redraw of the bar's metrics (``set_postfix``), counted from the start of training."""
+
+    def __init__(self) -> None:
+        self.steps = []
+
+    def on_train_start(self, trainer, pl_module):
+        bar = trainer.progress_bar_callback.train_progress_bar
+        set_postfix = bar.set_postfix
+
+        def counted(*args, **kwargs):
+            self.steps.append(trainer.global_step)
+            return set_postfix(*args, **kwargs)
+
+        bar.set_postfix = counted
+
+
+# Lightning's bar also redraws when an epoch ends (after steps 10 and 14, the second epoch cut short by max_steps)
+@pytest.mark.parametrize(
+    ("interval_s", "redrawn"), [(0.0, [2, 4, 6, 8, 10, 10, 12, 14, 14]), (3600.0, [2, 10, 14, 14])]
+)
+def test_the_bar_is_redrawn_at_most_every_interval_and_at_the_last_step(tmp_path, monkeypatch, interval_s, redrawn):
+    """Redraws cost about 0.3 ms each (metrics to the host, formatted, written): a fast run's bar is redrawn every
+    ``REDRAW_INTERVAL_S`` seconds, at its first batch and at its last step, while its count moves every batch."""
+    monkeypatch.setattr(gpo.callbacks.step_progress, "REDRAW_INTERVAL_S", interval_s)
+    redraws, seen = Redraws(), Seen()
+    trainer = L.Trainer(
+        max_steps=14, callbacks=[StepProgressBar(), redraws, seen], logger=False, enable_model_summary=False,
+        default_root_dir=tmp_path, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TwoStepsPerBatch())
+    assert redraws.steps == redrawn
+    assert [n for n, _, _ in seen.rows] == [2 * batch for batch in range(1, 8)]
+    assert "reward=0.5" in trainer.progress_bar_callback.train_progress_bar.postfix
 
 
 def test_lightnings_own_bar_counts_batches_of_the_epoch_instead(tmp_path):
