@@ -77,12 +77,13 @@ def check_reward_columns(rewards: Sequence[Any], columns: Mapping[str, Sequence[
 
 
 def check_tokenizer(tokenizer: Any, field: str, embedding_rows: int | None) -> None:
-    """The tokenizer can end and pad completions, and its ids fit the policy's embedding."""
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+    """The tokenizer can end completions (and so pad them: its EOS pads when it has no pad token), and its ids fit
+    the policy's embedding."""
+    if tokenizer.eos_token_id is None:
         raise ValueError(
-            f"the tokenizer ({field}) has neither a pad token nor an EOS token; sampling needs EOS to end a "
-            "completion and a pad id to batch them. Add a pad_token or eos_token to the tokenizer "
-            "(tokenizer.add_special_tokens({'eos_token': ...}); then save_pretrained it), or use one that has them."
+            f"the tokenizer ({field}) has no EOS token; a completion ends at it, and without a pad token it pads the "
+            "batch too. Add an eos_token to the tokenizer (tokenizer.add_special_tokens({'eos_token': ...}); then "
+            "save_pretrained it), or use one that has one."
         )
     if embedding_rows is not None and len(tokenizer) > embedding_rows:
         raise ValueError(

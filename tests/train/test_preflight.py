@@ -41,9 +41,11 @@ def rows(*prompts, **columns):
     return [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
 
 
-def tokenizer_without_pad_or_eos():
+def tokenizer_without_eos():
+    """A pad token but no EOS: no completion could end (the pad token cannot stand in for EOS)."""
     tokenizer = char_tokenizer()
-    tokenizer.pad_token, tokenizer.eos_token = None, None
+    tokenizer.eos_token = None
+    assert tokenizer.pad_token_id is not None
     return tokenizer
 
 
@@ -58,7 +60,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_configs")
     save_tiny_model(root / "model")
     tiny_model().save_pretrained(root / "bare")  # a model folder without tokenizer files
-    tokenizer_without_pad_or_eos().save_pretrained(root / "no_pad_eos")
+    tokenizer_without_eos().save_pretrained(root / "no_eos")
     files = {
         "train": rows("312=", "51=", "907=", "24=", answer=["123", "15", "079", "24"]),
         "no_answer": rows("312=", "51=", x=[1, 2]),
@@ -202,8 +204,8 @@ CLI_CASES = [
         fix="point model.policy at the folder written by model.save_pretrained"),
     bad("model_folder_without_tokenizer", "--model.policy={root}/bare", error=FileNotFoundError,
         field="model.policy='{root}/bare' holds no tokenizer files", fix="tokenizer.save_pretrained"),
-    bad("tokenizer_without_pad_or_eos", "--model.tokenizer={root}/no_pad_eos", field="model.tokenizer",
-        fix="Add a pad_token or eos_token to the tokenizer"),
+    bad("tokenizer_without_eos", "--model.tokenizer={root}/no_eos", field="model.tokenizer",
+        fix="Add an eos_token to the tokenizer"),
     bad("missing_data_file", "--data.path={root}/no_such.jsonl", error=FileNotFoundError,
         field="data.path: data path '{root}/no_such.jsonl' does not exist", fix="give a .jsonl/.json/.parquet/.csv"),
     bad("empty_train_set", "--data.path={root}/empty.jsonl", field="data.path='{root}/empty.jsonl' has no rows",
@@ -338,9 +340,8 @@ PYTHON_CASES = [
     py("reward_without_kwargs", lambda: {"rewards": [no_kwargs]},
        field="the reward no_kwargs is called with column(s) ['completion_ids']",
        fix="add **kwargs to its parameters"),
-    py("loaded_tokenizer_without_pad_or_eos",
-       lambda: {"policy": tiny_model(), "tokenizer": tokenizer_without_pad_or_eos()},
-       field="has neither a pad token nor an EOS token", fix="Add a pad_token or eos_token to the tokenizer"),
+    py("loaded_tokenizer_without_eos", lambda: {"policy": tiny_model(), "tokenizer": tokenizer_without_eos()},
+       field="has no EOS token", fix="Add an eos_token to the tokenizer"),
     py("tokenizer_larger_than_the_embedding",
        lambda: {"policy": tiny_model(), "tokenizer": tokenizer_larger_than_the_embedding()},
        field="has 100 tokens but model.policy's input embedding has 98 rows", fix="resize_token_embeddings"),
