@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 from torch import Tensor
@@ -14,23 +15,27 @@ from gpo.models.scorer import TokenScorer
 from gpo.parallel.fsdp import sampling_mode
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 
-#: The settings of a transformers generation config that reshape the distribution ``generate`` samples from (or the
-#: rows it returns), at the value that leaves the policy's own softmax at the sampling temperature, the distribution
+#: The settings of a transformers generation config that reshape the distribution ``generate`` samples from (or change
+#: what it returns), at the value that leaves the policy's own softmax at the sampling temperature, the distribution
 #: the trainer scores. ``generate`` takes every setting its config leaves unset from the checkpoint's
 #: ``generation_config.json``, and checkpoints set some: Qwen2.5's instruct models a ``repetition_penalty`` of 1.05-1.1.
 NEUTRAL_GENERATION = {
     "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "guidance_scale": 1.0, "renormalize_logits": False, "remove_invalid_values": False, "num_beams": 1,
-    "num_return_sequences": 1,
+    "guidance_scale": 1.0, "penalty_alpha": 0.0, "renormalize_logits": False, "remove_invalid_values": False,
+    "num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False, "use_mtp": False,
+    "token_healing": False,
 }  # fmt: skip
-#: Such settings whose only neutral value is None, which ``generate`` fills from the checkpoint: refused when set
-#: (``min_new_tokens=0`` would set ``min_length`` to the prompt's length, a processor running at every token).
-UNNEUTRAL_GENERATION = (
-    "min_new_tokens", "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
-    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "top_h",
-    "watermarking_config", "max_time", "stop_strings", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
-)  # fmt: skip
+#: Such settings whose only neutral values (None, or the one given) add a processor or are None, which ``generate``
+#: fills from the checkpoint: a checkpoint that sets another is refused. (``min_new_tokens=0`` would set
+#: ``min_length`` to the prompt's length, and ``min_p=0`` adds a pass over the vocabulary at every token.)
+REFUSED_GENERATION = {
+    "min_new_tokens": None, "min_p": 0.0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "top_h": None, "watermarking_config": None, "max_time": None,
+    "stop_strings": None, "dola_layers": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
+    "constraints": None, "force_words_ids": None,
+}  # fmt: skip
 
 
 def grouped_prompts(
@@ -86,6 +91,7 @@ class HFEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         check_generation_config(policy)
+        logging.getLogger("transformers.generation.utils").addFilter(_MAX_LENGTH_NOTICE)  # once: the same filter
         self.policy, self.tokenizer = policy, tokenizer
         self.scorer = TokenScorer(policy, temperature=self.sampling.temperature)
         self.generation_configs: dict[tuple[Sampling, bool], GenerationConfig] = {}
@@ -156,11 +162,11 @@ class HFEngine(RolloutEngine):
 
 
 def check_generation_config(policy: PreTrainedModel) -> None:
-    """Refuse a policy whose generation config sets one of ``UNNEUTRAL_GENERATION``: ``generate`` would apply it, and
-    the completions would come from another distribution than the policy the trainer scores."""
+    """Refuse a policy whose generation config sets one of ``REFUSED_GENERATION`` to a value that acts: ``generate``
+    would apply it, and the completions would come from another distribution than the policy the trainer scores."""
     config = policy.generation_config
-    active = {name: getattr(config, name) for name in UNNEUTRAL_GENERATION} if config is not None else {}
-    active = {name: value for name, value in active.items() if value is not None}
+    values = {name: getattr(config, name) for name in REFUSED_GENERATION} if config is not None else {}
+    active = {name: value for name, value in values.items() if value not in (None, REFUSED_GENERATION[name])}
     if active:
         settings = ", ".join(f"{name}={value!r}" for name, value in active.items())
         folder = f" ({policy.name_or_path})" if policy.name_or_path else ""
@@ -170,6 +176,17 @@ def check_generation_config(policy: PreTrainedModel) -> None:
             f"generation_config.json of the policy's folder{folder}, or set it to None in the generation_config of a "
             "loaded policy."
         )
+
+
+class _MaxLengthNotice(logging.Filter):
+    """Drops transformers' warning, at every ``generate`` call, that ``max_new_tokens`` (the engine's budget) wins over
+    a ``max_length`` the checkpoint's generation config sets (Llama 2's chat models set 4096): as the engine means."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Both `max_new_tokens`")
+
+
+_MAX_LENGTH_NOTICE = _MaxLengthNotice()
 
 
 def seed_generator(seed: int, device: torch.device) -> None:

@@ -78,12 +78,12 @@ def isolated_from_trainer(*, threads: int, eager: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tokenizer_eos_only(eos_id: int) -> Iterator[str]:
+def eos_only_generation_config(eos_id: int) -> Iterator[str]:
     """A folder whose ``generation_config.json`` holds only ``eos_token_id``, for vLLM's ``generation_config`` while
-    the engine is built. vLLM reads its generation settings from there instead of the checkpoint's file, which may
-    list EOS ids beyond the tokenizer's (Qwen2.5's instruct models list ``<|endoftext|>`` beside ``<|im_end|>``):
-    vLLM would stop at each, where ``HFEngine`` and the trainer's masks end a completion at the tokenizer's only. The
-    checkpoint's penalties, which vLLM would otherwise read as default sampling settings, stay out too."""
+    the engine is built (vLLM reads it then only). vLLM stops completions at every EOS id of the generation config it
+    reads, and a checkpoint's may list more than the tokenizer's (Qwen2.5's instruct models list ``<|endoftext|>``
+    beside ``<|im_end|>``), where ``HFEngine`` and the trainer's masks end a completion at the tokenizer's alone. (The
+    checkpoint's penalties never reach the samples: ``generate`` passes its own ``SamplingParams``.)"""
     with tempfile.TemporaryDirectory(prefix="gpo-generation-config-") as folder:
         (Path(folder) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
         yield folder
@@ -172,7 +172,7 @@ class VLLMEngine(RolloutEngine):
 
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; restored after
             # No tokenizer in vLLM: prompts go in and completions come out as token ids.
-            with tokenizer_eos_only(self.eos_id) as generation_config:
+            with eos_only_generation_config(self.eos_id) as generation_config:
                 self.llm = LLM(
                     model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                     generation_config=generation_config, **self.engine_args,

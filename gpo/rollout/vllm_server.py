@@ -20,8 +20,8 @@ WeightUpdate = Literal["file"]
 WEIGHTS_FILE = "model.safetensors"
 #: Sent with every request: a server fills each sampling setting a request leaves out from the checkpoint's
 #: ``generation_config.json`` (Qwen2.5's instruct models set a ``repetition_penalty``), and the trainer scores the
-#: policy without any of these.
-NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+#: policy without any of these penalties and filters.
+NEUTRAL_SERVER_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -40,9 +40,9 @@ class VLLMServerEngine(RolloutEngine):
     vllm.entrypoints.openai.api_server --model MODEL_FOLDER ...``). ``setup`` waits until every server answers
     ``GET /health`` with 200, polling every ``health_interval_ms`` for at most ``health_max_wait_s``.
 
-    Each request sets the penalties a server would otherwise take from the checkpoint's ``generation_config.json``
-    to their neutral values (``NEUTRAL_PENALTIES``). A server also stops at every EOS id listed there; for a
-    checkpoint that lists more than the tokenizer's, docs/servers.md says how to start it.
+    Each request sets the penalties and filters a server would otherwise take from the checkpoint's
+    ``generation_config.json`` to their neutral values (``NEUTRAL_SERVER_DEFAULTS``). A server also stops at every
+    EOS id listed there; for a checkpoint that lists more than the tokenizer's, docs/servers.md says how to start it.
 
     Several servers (``base_url`` a list): prompt ``i`` of each ``generate`` call goes to server ``i mod S``, so
     the work is spread evenly and a run with the same seeds sends the same prompt with the same seed to the same
@@ -166,7 +166,7 @@ class VLLMServerEngine(RolloutEngine):
             "temperature": 0.0 if greedy else s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
-            **NEUTRAL_PENALTIES,
+            **NEUTRAL_SERVER_DEFAULTS,
             "seed": seed,
             "logprobs": 0 if logprobs else None,
             "stop_token_ids": [self.eos_id],

@@ -1,4 +1,5 @@
 import copy
+import logging.handlers
 import re
 
 import pytest
@@ -73,18 +74,25 @@ def naive_greedy(model, prompt: list[int], budget: int, eos: int) -> list[int]:
 
 def test_the_checkpoints_own_generation_settings_do_not_reach_the_samples(policy_and_tokenizer):
     """A checkpoint's generation config may set a repetition penalty (Qwen2.5's instruct models do), banned n-grams,
-    a minimum length, more rows per prompt; ``generate`` applies whatever its config leaves unset from there. The
-    engine samples the policy itself: the same samples as without those settings, and greedy completions that are
-    the argmax of the policy's logits."""
+    a minimum length, more rows per prompt, a maximum length; ``generate`` applies whatever its config leaves unset
+    from there. The engine samples the policy itself: the same samples as without those settings, with no warning,
+    and greedy completions that are the argmax of the policy's logits."""
     model, tok = policy_and_tokenizer
     prompts = [tok(text).input_ids for text in ("sort 312:", "ab")]
     plain = engine(policy_and_tokenizer, max_new_tokens=12)
     settings = {"repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "min_length": 40, "typical_p": 0.5,
-                "num_return_sequences": 2, "do_sample": True}  # fmt: skip
+                "num_return_sequences": 2, "do_sample": True, "return_dict_in_generate": True, "min_p": 0.0,
+                "max_length": 4096}  # fmt: skip
     checkpoint = copy.deepcopy(model)
     checkpoint.generation_config.update(**settings)
     own = engine((checkpoint, tok), max_new_tokens=12)
-    sampled = own.generate(prompts, n=4, seed=0)
+    notices = logging.handlers.BufferingHandler(100)  # transformers' own warnings during sampling
+    logging.getLogger("transformers.generation.utils").addHandler(notices)
+    try:
+        sampled = own.generate(prompts, n=4, seed=0)
+    finally:
+        logging.getLogger("transformers.generation.utils").removeHandler(notices)
+    assert not [record.getMessage() for record in notices.buffer]  # max_length 4096: max_new_tokens wins, unsaid
     assert torch.equal(sampled.completion_ids, plain.generate(prompts, n=4, seed=0).completion_ids)
     assert not bool(sampled.truncated.all())  # min_length would have forbidden EOS
     for prompt in prompts:
@@ -110,7 +118,8 @@ def test_a_checkpoint_saved_without_its_kv_cache_still_samples_with_one(policy_a
 
 
 @pytest.mark.parametrize(
-    "setting", [{"min_p": 0.1}, {"forced_eos_token_id": 5}, {"suppress_tokens": [5, 6]}, {"min_new_tokens": 3}]
+    "setting",
+    [{"min_p": 0.1}, {"forced_eos_token_id": 5}, {"suppress_tokens": [5, 6]}, {"min_new_tokens": 3}, {"max_time": 5.0}],
 )
 def test_a_checkpoint_setting_that_cannot_be_neutralised_is_refused_at_setup(policy_and_tokenizer, setting):
     """Settings whose off value is None, which ``generate`` would fill from the checkpoint: the error names them."""

@@ -23,8 +23,9 @@ PROMPTS = ("sort 312:", "ab", "a longer prompt that fills more than one KV cache
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model and its tokenizer. Its folder's generation_config.json, like Qwen2.5's instruct models', sets a
-    repetition penalty and a second EOS id (the first token the model picks greedily after the first prompt): neither
-    engine may apply them, so every test here checks that they do not."""
+    repetition penalty and a second EOS id (the first token the model picks greedily after the first prompt). vLLM
+    would stop at that id (the tests of completions here see it), and HFEngine would apply the penalty (the greedy
+    comparison sees it); vLLM never applies the penalty, as each call gives its own sampling settings."""
     folder = save_tiny_model(tmp_path_factory.mktemp("vllm_engine") / "llama")
     return with_checkpoint_generation_settings(folder), char_tokenizer()
 
