@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import httpx
 import huggingface_hub
 import torch
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
@@ -118,7 +117,7 @@ def check_hub_id(path: str, field: str, kind: Literal["model", "tokenizer"]) -> 
         ) from None
     except HfHubHTTPError:
         return  # the hub answered with another error (a 5xx, a rate limit): the download retries it
-    except (OSError, httpx.HTTPError) as err:
+    except Exception as err:  # its HTTP client failed to connect: httpx2's errors (huggingface_hub 2), httpx's before
         reason = f"the hub could not be reached to look it up ({type(err).__name__})"
         raise FileNotFoundError(_not_found(path, field, reason)) from None
 

@@ -2,16 +2,20 @@
 unreachable or does not know the id; an id the hub cache holds or the hub knows goes on. The hub is never asked
 for real: its one call is replaced."""
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
-import httpx
 import huggingface_hub
 import huggingface_hub.constants
 import pytest
-from huggingface_hub.errors import RepositoryNotFoundError
+from huggingface_hub import HfApi
 
 from gpo.models.loading import check_pretrained_folder
+from tests.ports import free_port
 
 MISSPELT = ["Qwen/Qwen2.5-0.5B-Instruc", "mdoel"]  # both look like hub ids
 
@@ -35,9 +39,30 @@ def hub(monkeypatch, tmp_path):
     return hub
 
 
-def not_found(repo_id: str) -> RepositoryNotFoundError:
-    request = httpx.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
-    return RepositoryNotFoundError("404 Client Error", response=httpx.Response(404, request=request))
+@contextlib.contextmanager
+def hub_that_knows_no_model() -> Iterator[tuple[list[str], str]]:
+    """A local stand-in for the hub's API answering every request 404 ``RepoNotFound``, as the hub does for an
+    unknown id; yields the paths asked for and its address. The hub library's own client talks to it."""
+    asked = []
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield asked, f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
 
 
 def refused_at_once(path: str, field: str = "model.policy", kind: str = "model") -> str:
@@ -58,14 +83,17 @@ def test_offline_a_misspelt_path_fails_at_once_without_asking_the_hub(hub, monke
 
 
 @pytest.mark.parametrize("path", MISSPELT)
-def test_an_id_the_hub_does_not_know_fails_at_once(hub, path):
-    hub.answer = not_found(path)
-    assert "no model on the hub has that id" in refused_at_once(path, "data.tokenizer", "tokenizer")
-    assert hub.asked == [path]
+def test_an_id_the_hub_does_not_know_fails_at_once(hub, monkeypatch, path):
+    with hub_that_knows_no_model() as (asked, url):
+        monkeypatch.setattr(huggingface_hub, "model_info", HfApi(endpoint=url).model_info)
+        assert "no model on the hub has that id" in refused_at_once(path, "data.tokenizer", "tokenizer")
+    assert [request.split("?")[0] for request in asked] == [f"/api/models/{path}"]
 
 
-def test_an_unreachable_hub_fails_at_once_instead_of_retrying(hub):
-    hub.answer = httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+def test_an_unreachable_hub_fails_at_once_instead_of_retrying(hub, monkeypatch):
+    """The hub library's own client, asking a port nobody listens on: its connection error (httpx2's since
+    huggingface_hub 2, which gpo does not import) is caught like any other."""
+    monkeypatch.setattr(huggingface_hub, "model_info", HfApi(endpoint=f"http://127.0.0.1:{free_port()}").model_info)
     assert "the hub could not be reached to look it up (ConnectError)" in refused_at_once(MISSPELT[0])
 
 
