@@ -293,6 +293,12 @@ def test_a_preset_name_with_settings_or_a_misspelt_preset_class_says_what_to_wri
     assert f"Expected a dot import path string: DAPOO\n(set in {bad})\ndid you mean DAPO?" in err, err
 
 
+def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
+    err = fit_error(capsys, "--model.algorithm", "DRO")
+    assert "the following arguments are required: beta" in err, err
+    assert "give --model.algorithm.beta VALUE, or start from the preset's shipped config (--config dppo" in err, err
+
+
 def test_usage_names_the_gpo_command_however_it_was_started():
     import subprocess
     import sys

@@ -72,6 +72,7 @@ _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
+_REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
 _NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
 _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 #: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
@@ -199,9 +200,14 @@ def _at(text: str | None, mark: yaml.Mark | None) -> str:
 
 def _algorithm_hints(message: str) -> list[str]:
     """``model.algorithm`` given as a name with settings of its own (a name takes none), or a class that does not
-    exist: the class to write instead."""
+    exist: the class to write instead; a class without a setting it has no default for: the flag to give."""
     from gpo.algo.presets import ALGORITHMS, PRESETS
 
+    required = _REQUIRED.search(message)
+    if required:
+        names = [name.strip() for name in required.group(1).split(",")]
+        flags = " ".join(f"--model.algorithm.{name} VALUE" for name in names)
+        return [f"give {flags}, or start from the preset's shipped config (--config dppo, --config dro, ...)."]
     named = _IMPORT_PATH.search(message)
     if named is None:
         return []
