@@ -149,8 +149,9 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
 
 
 def test_a_run_prints_nothing_a_user_cannot_act_on(root):
-    """Lightning's cloud tips, its own pytree deprecation warning and its warning about the data module's batch
-    transfer are left out of ``gpo fit``'s output (a fresh process: Lightning warns once per process)."""
+    """Lightning's cloud tips, its own pytree deprecation warning, its warnings about the data module's batch transfer
+    and about the empty validation loader of a run without held-out prompts are left out of ``gpo fit``'s output (a
+    fresh process: Lightning warns once per process)."""
     import subprocess
 
     args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
@@ -159,7 +160,7 @@ def test_a_run_prints_nothing_a_user_cannot_act_on(root):
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert "Sanity Checking" in output and "max_steps=1" in output  # it validated and trained
-    for noise in ("Tip:", "LeafSpec", "transfer_batch_to_device"):
+    for noise in ("Tip:", "LeafSpec", "transfer_batch_to_device", "Total length of `DataLoader`"):
         assert noise not in output, output
 
 
