@@ -26,11 +26,11 @@ NEUTRAL_GENERATION = {
     "num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False, "use_mtp": False,
     "token_healing": False,
 }  # fmt: skip
-#: Such settings whose only neutral values (None, or the one given) add a processor or are None, which ``generate``
-#: fills from the checkpoint: a checkpoint that sets another is refused. (``min_new_tokens=0`` would set
-#: ``min_length`` to the prompt's length, and ``min_p=0`` adds a pass over the vocabulary at every token.)
+#: Such settings that the engine cannot set neutral: they are off at None, which ``generate`` fills from the
+#: checkpoint, or at the value given, which adds work at every token (``min_p=0``: a pass over the vocabulary;
+#: ``min_new_tokens=0``: a minimum length, the prompt's). A checkpoint that sets one to any other value is refused.
 REFUSED_GENERATION = {
-    "min_new_tokens": None, "min_p": 0.0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "min_new_tokens": 0, "min_p": 0.0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None, "top_h": None, "watermarking_config": None, "max_time": None,
     "stop_strings": None, "dola_layers": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
