@@ -297,6 +297,8 @@ def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
     err = fit_error(capsys, "--model.algorithm", "DRO")
     assert "the following arguments are required: beta" in err, err
     assert "give --model.algorithm.beta VALUE, or start from the preset's shipped config (--config dppo" in err, err
+    err = fit_error(capsys, "--model.algorithm", "Custom", "--model.algorithm.gate", "DROGate")  # a part's setting
+    assert "give --model.algorithm.gate.beta VALUE.\n" in err, err
 
 
 def test_usage_names_the_gpo_command_however_it_was_started():

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,50 +46,41 @@ def test_the_wheel_installs_the_gpo_command(wheel):
     assert "gpo = gpo.cli:run" in wheel.read(entry_points).decode()
 
 
-def module_level_imports(folder: Path) -> dict[str, str]:
-    """The top-level names of the absolute imports each module of ``folder`` runs when it loads (its own statements
-    and their ``try`` blocks: not those inside functions, which gpo keeps for optional packages such as vLLM), with
-    a file that imports each."""
-    found = {}
-    for path in sorted(folder.rglob("*.py")):
-        for statement in ast.parse(path.read_text()).body:
-            for node in statement.body if isinstance(statement, ast.Try) else [statement]:
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                    names = [node.module]
-                else:
-                    continue
-                found |= {name.split(".")[0]: path.relative_to(REPO).as_posix() for name in names}
-    return found
-
-
-def installed_with(distribution: str) -> set[str]:
-    """``distribution`` and what its requirements pull in, recursively, without extras (as ``pip install`` does)."""
-    seen, todo = set(), [canonicalize_name(distribution)]
-    while todo:
-        name = todo.pop()
-        if name in seen:
+def loaded_imports(statements: list[ast.stmt]) -> Iterator[str]:
+    """The top-level names of the absolute imports that run when a module loads: in its statements and the blocks
+    they hold, class bodies included, but not in functions (gpo imports optional packages such as vLLM there), under
+    ``if TYPE_CHECKING:`` or in a ``try`` that catches ImportError (an optional import)."""
+    for node in statements:
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module.split(".")[0]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
-        seen.add(name)
-        try:
-            requirements = [Requirement(line) for line in importlib.metadata.requires(name) or []]
-        except importlib.metadata.PackageNotFoundError:
-            continue  # not installed here, so nothing gpo imports comes from it
-        wanted = [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
-        todo += [canonicalize_name(r.name) for r in wanted]
-    return seen
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from loaded_imports(node.orelse)
+        elif isinstance(node, ast.Try) and any(_catches_import_error(handler) for handler in node.handlers):
+            continue
+        else:
+            for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+                yield from loaded_imports(getattr(node, block, []))
 
 
-def test_every_package_gpo_imports_on_load_comes_with_gpos_own_requirements():
-    """A package that only another install brings (vLLM brought httpx) would stop ``import gpo...`` for a user who
-    installed gpo alone."""
-    provided, owners = installed_with("gpo"), importlib.metadata.packages_distributions()
-    imported = module_level_imports(REPO / "gpo") | module_level_imports(REPO / "callbacks")
-    own = {"gpo", "__future__", *sys.stdlib_module_names}
-    third_party = {module: where for module, where in imported.items() if module not in own}
-    missing = {
-        module: where for module, where in third_party.items()
-        if not {canonicalize_name(d) for d in owners.get(module, [])} & provided
-    }  # fmt: skip
-    assert not missing, f"imported by gpo but not in its requirements' closure: {missing}"
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    return handler.type is not None and "ImportError" in ast.unparse(handler.type)
+
+
+def test_every_package_gpo_imports_on_load_is_one_of_its_own_requirements():
+    """A package that another requirement happens to bring (vLLM brought httpx, which gpo imported) would stop
+    ``import gpo...`` for a user whose install resolves without it: what gpo imports, it declares."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (Python 3.11+) reads pyproject.toml")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {canonicalize_name(Requirement(line).name) for line in project["dependencies"]}
+    owners, missing = importlib.metadata.packages_distributions(), {}
+    for path in sorted([*(REPO / "gpo").rglob("*.py"), *(REPO / "callbacks").rglob("*.py")]):
+        for module in loaded_imports(ast.parse(path.read_text()).body):
+            if module in ("gpo", "__future__") or module in sys.stdlib_module_names:
+                continue
+            if not {canonicalize_name(d) for d in owners.get(module, [module])} & declared:
+                missing.setdefault(module, path.relative_to(REPO).as_posix())
+    assert not missing, f"imported when gpo loads but not in pyproject.toml's dependencies: {missing}"

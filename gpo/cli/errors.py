@@ -106,7 +106,7 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
             known[key.rpartition(".init_args.")[0]] = _import(rejected.group(1))
         lines.extend(_hints(key, known))
     if key is not None and key.startswith("model.algorithm"):
-        lines.extend(_algorithm_hints(message))
+        lines.extend(_algorithm_hints(key, message))
     return "\n".join([*lines, *moved])
 
 
@@ -198,16 +198,18 @@ def _at(text: str | None, mark: yaml.Mark | None) -> str:
     return f"{text} at line {mark.line + 1}, column {mark.column + 1}" if text and mark is not None else text or ""
 
 
-def _algorithm_hints(message: str) -> list[str]:
-    """``model.algorithm`` given as a name with settings of its own (a name takes none), or a class that does not
-    exist: the class to write instead; a class without a setting it has no default for: the flag to give."""
+def _algorithm_hints(key: str, message: str) -> list[str]:
+    """``model.algorithm`` (or a part of it, ``key``) given as a name with settings of its own (a name takes none),
+    or a class that does not exist: the class to write instead; a class without a setting it has no default for: the
+    flag to give (and for a preset, its shipped config, which sets one)."""
     from gpo.algo.presets import ALGORITHMS, PRESETS
 
     required = _REQUIRED.search(message)
     if required:
         names = [name.strip() for name in required.group(1).split(",")]
-        flags = " ".join(f"--model.algorithm.{name} VALUE" for name in names)
-        return [f"give {flags}, or start from the preset's shipped config (--config dppo, --config dro, ...)."]
+        flags = " ".join(f"--{key.replace('.init_args.', '.')}.{name} VALUE" for name in names)
+        shipped = ", or start from the preset's shipped config (--config dppo, --config dro)"
+        return [f"give {flags}{shipped if key == 'model.algorithm' else ''}."]
     named = _IMPORT_PATH.search(message)
     if named is None:
         return []

@@ -93,6 +93,11 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
         )
 
 
+#: The HTTP errors of the client the hub library talks through (httpx's before huggingface_hub 2, httpx2's since; a
+#: failed connection is one): the base its own ``HfHubHTTPError`` extends, so that gpo imports neither package.
+HUB_CLIENT_ERROR = HfHubHTTPError.__mro__[1]
+
+
 def check_hub_id(path: str, field: str, kind: Literal["model", "tokenizer"]) -> None:
     """Refuse at once a hub id that the local hub cache does not hold and the hub does not know, asked once with
     a ``HUB_TIMEOUT_S`` limit: a misspelt local folder often looks like a hub id, and transformers would retry the
@@ -117,8 +122,8 @@ def check_hub_id(path: str, field: str, kind: Literal["model", "tokenizer"]) -> 
         ) from None
     except HfHubHTTPError:
         return  # the hub answered with another error (a 5xx, a rate limit): the download retries it
-    except Exception as err:  # its HTTP client failed to connect: httpx2's errors (huggingface_hub 2), httpx's before
-        reason = f"the hub could not be reached to look it up ({type(err).__name__})"
+    except (OSError, HUB_CLIENT_ERROR) as err:
+        reason = f"the hub could not be reached to look it up ({type(err).__name__}: {err})"
         raise FileNotFoundError(_not_found(path, field, reason)) from None
 
 

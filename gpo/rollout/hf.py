@@ -179,11 +179,12 @@ def check_generation_config(policy: PreTrainedModel) -> None:
 
 
 class _MaxLengthNotice(logging.Filter):
-    """Drops transformers' warning, at every ``generate`` call, that ``max_new_tokens`` (the engine's budget) wins over
-    a ``max_length`` the checkpoint's generation config sets (Llama 2's chat models set 4096): as the engine means."""
+    """Drops transformers' warnings, at every ``generate`` call, that ``max_new_tokens`` (the engine's budget) wins over
+    a ``max_length`` the checkpoint's generation config sets (Llama 2's chat models set 4096), and that its
+    ``min_new_tokens`` wins over the engine's ``min_length`` of 0: both as the engine means."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Both `max_new_tokens`")
+        return not record.getMessage().startswith(("Both `max_new_tokens`", "Both `min_new_tokens`"))
 
 
 _MAX_LENGTH_NOTICE = _MaxLengthNotice()

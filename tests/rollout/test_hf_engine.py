@@ -82,7 +82,7 @@ def test_the_checkpoints_own_generation_settings_do_not_reach_the_samples(policy
     plain = engine(policy_and_tokenizer, max_new_tokens=12)
     settings = {"repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "min_length": 40, "typical_p": 0.5,
                 "num_return_sequences": 2, "do_sample": True, "return_dict_in_generate": True, "min_p": 0.0,
-                "max_length": 4096}  # fmt: skip
+                "max_length": 4096, "min_new_tokens": 0}  # fmt: skip
     checkpoint = copy.deepcopy(model)
     checkpoint.generation_config.update(**settings)
     own = engine((checkpoint, tok), max_new_tokens=12)
