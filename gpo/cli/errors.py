@@ -208,7 +208,10 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
     if required:
         names = [name.strip() for name in required.group(1).split(",")]
         flags = " ".join(f"--{key.replace('.init_args.', '.')}.{name} VALUE" for name in names)
-        shipped = ", or start from the preset's shipped config (--config dppo, --config dro)"
+        without_defaults = ", ".join(
+            f"--config {cls.__name__.lower()}" for cls in PRESETS if cls not in ALGORITHMS.values()
+        )
+        shipped = f", or start from the preset's shipped config ({without_defaults})"
         return [f"give {flags}{shipped if key == 'model.algorithm' else ''}."]
     named = _IMPORT_PATH.search(message)
     if named is None:
