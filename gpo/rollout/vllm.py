@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -75,18 +72,6 @@ def isolated_from_trainer(*, threads: int, eager: bool) -> Iterator[None]:
         for key in set(os.environ) - set(environ):
             del os.environ[key]
         os.environ.update(environ)
-
-
-@contextlib.contextmanager
-def eos_only_generation_config(eos_id: int) -> Iterator[str]:
-    """A folder whose ``generation_config.json`` holds only ``eos_token_id``, for vLLM's ``generation_config`` while
-    the engine is built (vLLM reads it then only). vLLM stops completions at every EOS id of the generation config it
-    reads, and a checkpoint's may list more than the tokenizer's (Qwen2.5's instruct models list ``<|endoftext|>``
-    beside ``<|im_end|>``), where ``HFEngine`` and the trainer's masks end a completion at the tokenizer's alone. (The
-    checkpoint's penalties never reach the samples: ``generate`` passes its own ``SamplingParams``.)"""
-    with tempfile.TemporaryDirectory(prefix="gpo-generation-config-") as folder:
-        (Path(folder) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
-        yield folder
 
 
 class VLLMEngine(RolloutEngine):
@@ -172,11 +157,9 @@ class VLLMEngine(RolloutEngine):
 
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; restored after
             # No tokenizer in vLLM: prompts go in and completions come out as token ids.
-            with eos_only_generation_config(self.eos_id) as generation_config:
-                self.llm = LLM(
-                    model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                    generation_config=generation_config, **self.engine_args,
-                )  # fmt: skip
+            self.llm = LLM(
+                model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
+            )
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)
         self.folder = folder
@@ -203,6 +186,11 @@ class VLLMEngine(RolloutEngine):
                 top_p=s.top_p,
                 top_k=s.top_k,
                 max_tokens=s.max_new_tokens,
+                # ignore_eos: vLLM would stop at every EOS id of the checkpoint's generation_config.json (Qwen2.5's
+                # instruct models list <|endoftext|> beside <|im_end|>); HFEngine and the trainer's masks end a
+                # completion at the tokenizer's EOS alone. (The checkpoint's penalties never reach the samples:
+                # every call passes its own settings.)
+                ignore_eos=True,
                 stop_token_ids=[self.eos_id],
                 logprobs=0 if logprobs else None,
                 seed=prompt_seed,

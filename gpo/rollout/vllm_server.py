@@ -41,8 +41,8 @@ class VLLMServerEngine(RolloutEngine):
     ``GET /health`` with 200, polling every ``health_interval_ms`` for at most ``health_max_wait_s``.
 
     Each request sets the penalties and filters a server would otherwise take from the checkpoint's
-    ``generation_config.json`` to their neutral values (``NEUTRAL_SERVER_DEFAULTS``). A server also stops at every
-    EOS id listed there; for a checkpoint that lists more than the tokenizer's, docs/servers.md says how to start it.
+    ``generation_config.json`` to their neutral values (``NEUTRAL_SERVER_DEFAULTS``), and ends completions at the
+    tokenizer's EOS alone, as the other engines do, not at every EOS id listed there.
 
     Several servers (``base_url`` a list): prompt ``i`` of each ``generate`` call goes to server ``i mod S``, so
     the work is spread evenly and a run with the same seeds sends the same prompt with the same seed to the same
@@ -169,6 +169,9 @@ class VLLMServerEngine(RolloutEngine):
             **NEUTRAL_SERVER_DEFAULTS,
             "seed": seed,
             "logprobs": 0 if logprobs else None,
+            # ignore_eos: the server would stop at every EOS id of the checkpoint's generation_config.json (Qwen2.5's
+            # instruct models list <|endoftext|> beside <|im_end|>); the stop list holds the tokenizer's EOS alone.
+            "ignore_eos": True,
             "stop_token_ids": [self.eos_id],
             "return_token_ids": True,
         }

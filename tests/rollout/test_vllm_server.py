@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from gpo.callbacks import VLLMWeightSync
 from gpo.models.teacher import ServerTeacher
@@ -23,7 +22,13 @@ from gpo.testing import char_tokenizer, save_tiny_model
 from tests.callbacks.test_vllm_weight_sync import fit
 from tests.envs.servers import post_json
 from tests.ports import free_port
-from tests.rollout.test_vllm_engine import PROMPTS, assert_samples_follow_updated_weights, max_logp_error, prompt_ids
+from tests.rollout.test_vllm_engine import (
+    PROMPTS,
+    assert_samples_follow_updated_weights,
+    max_logp_error,
+    prompt_ids,
+    with_checkpoint_generation_settings,
+)
 from tests.vllm_engines import needs_vllm, vllm_server
 
 API_KEY = "a-test-key"
@@ -34,13 +39,12 @@ def served(tmp_path_factory):
     """(model, tokenizer, engine, folder, data) with the engine set up against two servers of ``folder``; both need
     an API key, which they and the engine read from ``VLLM_API_KEY``. The folder's generation_config.json sets a
     repetition penalty, as Qwen2.5's instruct models' do, which the servers would apply to every request that leaves
-    it out: every test here checks that the completions come from the policy alone."""
+    it out, and a second EOS id, at which the servers would stop (``with_checkpoint_generation_settings``): every test
+    here checks that the completions come from the policy alone and end at the tokenizer's EOS only."""
     root = tmp_path_factory.mktemp("vllm_server")
     folder = save_tiny_model(root / "llama")
     data = write_jsonl(make_task("sort_digits", 32), root / "train.jsonl")
-    model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), char_tokenizer()
-    model.generation_config.update(do_sample=True, repetition_penalty=1.3)
-    model.generation_config.save_pretrained(folder)
+    model, tok = with_checkpoint_generation_settings(folder), char_tokenizer()
     with pytest.MonkeyPatch.context() as env, ExitStack() as servers:
         env.setenv("VLLM_API_KEY", API_KEY)
         urls = [servers.enter_context(vllm_server(folder, root / f"server{i}.log")) for i in range(2)]  # start at once
