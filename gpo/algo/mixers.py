@@ -52,7 +52,8 @@ class GroupNormalizedSum(RewardMixer):
 
     ``r_i = sum_k w_k (s_{i,k} - mean_group(s_k)) / std_group(s_k)``: a high-variance reward can no longer
     drown a low-variance one, as it does when the raw sum is normalised. A reward that is constant within a
-    group contributes 0 there.
+    group contributes 0 there. GDPO, and TRL's ``normalize_then_sum``, then divide the sum by its std over the
+    batch: pair this mixer with ``advantage_norm: batch`` (``configs/gdpo.yaml``), not with the group std.
 
     Args:
         weights: one weight per reward function; None weights them all 1.

@@ -1,9 +1,14 @@
 """Reward mixers and token weights."""
 
+import statistics
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from gpo.algo import (
+    GRPO,
     EnvEventOutcomeBlend,
     GroupNormalizedSum,
     NoGate,
@@ -14,6 +19,7 @@ from gpo.algo import (
     WeightedSum,
 )
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SCORES = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 20.0], [0.0, 20.0]])
 GROUP = torch.tensor([0, 0, 1, 1])
 
@@ -39,6 +45,27 @@ def test_gdpo_keeps_the_low_variance_reward_that_a_plain_sum_drowns():
     assert plain[1] > plain[0]  # raw sum prefers the wrong answer in group 0
     gdpo = GroupNormalizedSum()(SCORES, GROUP)
     assert gdpo[0] == gdpo[1] == 0  # the two signals cancel exactly once both are on the same scale
+
+
+def test_gdpo_config_advantage_is_the_normalised_sum_whitened_over_the_batch():
+    """configs/gdpo.yaml (GroupNormalizedSum, then GRPO with advantage_norm: batch) against GDPO's advantage written
+    out: ``A_i = sum_k w_k (s_ik - mean_g s_k) / std_g s_k``, then ``(A_i - mean A) / std A`` over the batch
+    (population stds), as TRL's normalize_then_sum computes it."""
+    scores = [[1.0, 10.0], [0.0, 30.0], [1.0, 25.0], [0.0, 20.0], [1.0, 20.0], [1.0, 5.0]]
+    groups, weights = [0, 0, 0, 1, 1, 1], [1.0, 0.5]
+
+    def normalised(i, k):
+        column = [scores[j][k] for j in range(6) if groups[j] == groups[i]]
+        return (scores[i][k] - statistics.fmean(column)) / statistics.pstdev(column)
+
+    summed = [sum(w * normalised(i, k) for k, w in enumerate(weights)) for i in range(6)]
+    expected = [(a - statistics.fmean(summed)) / statistics.pstdev(summed) for a in summed]
+    config = yaml.safe_load((CONFIGS / "gdpo.yaml").read_text())["model"]
+    mixer = GroupNormalizedSum(**config["mixer"]["init_args"])
+    advantage = GRPO(**config["algorithm"]["init_args"]).parts().advantage
+    group = torch.tensor(groups)
+    got = advantage(mixer(torch.tensor(scores), group), group, torch.ones(6, 1))[:, 0]
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6)
 
 
 def test_env_event_outcome_blend():
