@@ -175,6 +175,17 @@ def test_fit_reads_a_shipped_config_by_name(capsys):
     assert exit_info.value.code == 0 and "gpo.rewards.positional_match" in printed and "RLOO" in printed, printed
 
 
+def test_print_config_keeps_the_trainer_settings_the_focused_help_leaves_out(capsys):
+    """The focused help hides most trainer settings; a printed (or saved) config must still hold every one of them,
+    or a run made again from it would lose its callbacks and validation schedule."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "quickstart", "--config", "callbacks", "--print_config"])
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0, printed
+    assert "check_val_every_n_epoch: null" in printed and "gradient_clip_val:" in printed, printed
+    assert "class_path: gpo.callbacks.DynamicSampling" in printed, printed
+
+
 def test_a_config_name_that_is_neither_a_file_nor_shipped_lists_the_shipped_ones(capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(["fit", "--config", "quickstrat"])

@@ -36,6 +36,9 @@ class GPOCLI(LightningCLI):
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
         self.full_help = isinstance(argv, list | tuple) and helptext.FULL_HELP in argv
+        # Only a help request gets the focused help: jsonargparse leaves the settings it hides out of every config it
+        # writes too (--print_config, each run's config.yaml), and a run made again from those would lose them.
+        self.focused_help = isinstance(argv, list | tuple) and bool({"--help", "-h"} & set(argv))
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -56,7 +59,7 @@ class GPOCLI(LightningCLI):
             subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
         main_kwargs.setdefault("prog", "gpo")  # not python -m gpo.cli's __main__.py
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        if not self.full_help:  # every argument is added now, --ckpt_path included
+        if self.focused_help:  # every argument is added now, --ckpt_path included
             names = helptext.SUBCOMMANDS if add_subcommands else [None]  # None: a CLI built with run=False
             for name in names:
                 helptext.focus(self._parser(name), name or "fit")
