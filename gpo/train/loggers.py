@@ -1,9 +1,11 @@
 """The loggers ``gpo fit`` writes to: CSV and TensorBoard in one version folder, continued (never erased) on resume.
 
 Logged rows are written to disk at most every ``SAVE_EVERY_S`` seconds (the CSV rows with the first row logged that
-long after the last write, TensorBoard's by its writer thread), at each checkpoint (``GPOModule.on_save_checkpoint``
-saves every logger, so a run killed and resumed loses no row) and at the end, but not at every logged step: writing
-costs about 0.7 ms each time.
+long after the last write, TensorBoard's by its writer thread), after each evaluation (Lightning saves the loggers
+then), at each checkpoint (``GPOModule.on_save_checkpoint`` saves every logger, so a run killed and resumed loses no
+row) and at the end, but not at every logged step: writing costs about 0.7 ms each time. A resumed run logs again the
+steps between its checkpoint and the crash: the CSV keeps the new rows alone, and TensorBoard, reading steps that go
+back, drops the older points from there on (its purge of orphaned data).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+from tensorboardX.event_file_writer import _EventLoggerThread
 from tensorboardX.proto.summary_pb2 import Summary
 from torch import Tensor
 from typing_extensions import override
@@ -129,6 +132,22 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
         ]  # fmt: skip
         if values:
             self.experiment._get_file_writer().add_summary(Summary(value=values), step)  # as Lightning's hparams
+
+    @override
+    @rank_zero_only
+    def save(self) -> None:
+        """Every event logged so far on disk. tensorboardX's ``flush`` writes only the events its writer thread has
+        already taken from its queue: an evaluation logged just before a checkpoint, then a crash, lost its points. So
+        the thread is stopped (it writes what is queued before its stop signal), the file flushed, and a new thread
+        started on the same queue and file."""
+        super().save()
+        file_writer = self._experiment.file_writer if self._experiment is not None else None
+        if file_writer is not None:  # None: closed (finalize); _get_file_writer would open a new, empty file
+            events = file_writer.event_writer
+            events._worker.stop()
+            events.flush()
+            events._worker = _EventLoggerThread(events._event_queue, events._ev_writer, events._flush_secs)
+            events._worker.start()
 
 
 def default_loggers(root: str, resume: bool = False) -> list[Logger]:

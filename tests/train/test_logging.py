@@ -113,6 +113,20 @@ def test_tensorboard_gets_one_event_per_logged_batch_with_every_scalar(tmp_path)
     assert [s for s in scalars if s[1]] == [(3, {"loss": 0.5, "reward/mean": 0.25, "epoch": 1.0}), (4, {"loss": 0.125})]
 
 
+def test_tensorboard_save_puts_every_logged_event_on_disk_and_logging_goes_on(tmp_path):
+    """A checkpoint or an evaluation saves the loggers, then the run may be killed: what was logged must be on disk
+    then, not in tensorboardX's queue (its own flush writes only what its thread has dequeued)."""
+    (_, tensorboard) = default_loggers(str(tmp_path))
+    for step in range(50):  # more than the queue's 10 slots
+        tensorboard.log_metrics({"val/reward": step / 100}, step=step)
+    tensorboard.save()
+    steps = [e.step for e in tensorboard_events(tmp_path) if e.summary.value]
+    assert steps == list(range(50))
+    tensorboard.log_metrics({"val/reward": 1.0}, step=50)
+    tensorboard.save()
+    assert [e.step for e in tensorboard_events(tmp_path) if e.summary.value][-1] == 50
+
+
 def test_csv_rows_reach_the_disk_within_save_every_s_not_at_every_log(tmp_path, monkeypatch):
     (csv_logger, _) = default_loggers(str(tmp_path))
     path = Path(csv_logger.log_dir) / "metrics.csv"
