@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -84,6 +85,11 @@ class ResumeCheckpoint(ModelCheckpoint):
         found = super()._find_last_checkpoints(trainer)
         alone = trainer.checkpoint_callbacks == [self]  # else another callback's checkpoint may be resumed
         if alone and not any(self._fs.exists(path) for path in found):  # set once in a job that may be requeued
+            if trainer.state.fn != TrainerFn.FITTING:  # nothing to evaluate: the untrained policy would pass for it
+                raise FileNotFoundError(
+                    f"--ckpt_path last: no checkpoint in {self.dirpath}. Give a .ckpt file, or leave --ckpt_path "
+                    "out to evaluate the policy as model.policy loads it."
+                )
             rank_zero_info(f"--ckpt_path last: no checkpoint in {self.dirpath} yet; starting from the initial weights.")
         return found
 

@@ -200,3 +200,15 @@ def test_a_misspelt_setting_gets_no_set_up_hint(root, capsys):
     with pytest.raises(SystemExit):
         run(["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", "--model.optim.learning_rate=1"])
     assert "set-up" not in capsys.readouterr().err
+
+
+def test_validate_last_without_a_checkpoint_is_refused_not_run_on_the_untrained_policy(root, tmp_path, capsys):
+    from gpo.cli import run
+
+    args = [f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(["validate", *args, f"--trainer.default_root_dir={tmp_path / 'run'}", "--ckpt_path=last"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert f"--ckpt_path last: no checkpoint in {tmp_path / 'run' / 'checkpoints'}. Give a .ckpt file" in err, err
+    assert not (tmp_path / "run").exists()  # no log folder, no run lock left behind
