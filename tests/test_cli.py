@@ -124,6 +124,15 @@ model:
                      id="gradient_clip_val"),
         pytest.param(("--trainer.accelerator=mps",), "`MPSAccelerator` can not run on your system",
                      id="lightning_refuses"),  # a MisconfigurationException (no Mac here)
+        pytest.param(("--seed_everthing=1",), "unknown setting seed_everthing\ndid you mean seed_everything?",
+                     id="top_level_key"),
+        pytest.param(("--resume=last",), "the top-level settings are model, data, trainer, seed_everything",
+                     id="top_level_far_off"),
+        pytest.param(("--trainer.precision=bf17",), "trainer.precision: bf17 is not one of transformer-engine",
+                     id="precision_choices"),
+        pytest.param(("--model.optim.lr_schedule=cosin",),
+                     "model.optim.lr_schedule: cosin is not one of constant, linear, cosine; did you mean cosine?",
+                     id="literal_choices"),
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

@@ -7,6 +7,7 @@ it, and, for settings that moved when gpo's configuration was reorganised, their
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import itertools
@@ -62,6 +63,8 @@ REPLACED_KEYS: dict[str, str] = {
     "or cosine) with model.optim.warmup_steps",
 }
 
+#: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
+TOP_LEVEL_KEYS = ("model", "data", "trainer", "seed_everything", "ckpt_path", "export", "config", "print_config")
 JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
 _UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
@@ -70,6 +73,7 @@ _NOT_ACCEPTED = re.compile(
 )
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*?)\]")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
@@ -98,6 +102,11 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     if key is not None and not unknown and message.rstrip().endswith(_NO_VALUE):
         lines = [_unset(key.replace(".init_args.", "."), source, config_files)]
     else:
+        choices = _choices(message)
+        if key is not None and choices and rejected_value:  # a value outside a fixed set: name the set
+            shown, value = key.replace(".init_args.", "."), rejected_value.group(1).strip()
+            problem = f"{shown}: {value} is not one of {', '.join(choices)}"
+            problem += f"; {did_you_mean(value, choices)}" if did_you_mean(value, choices) else ""
         lines = [problem, *([f"(set in {source})"] if source is not None else [])]
     known = dict(known or {})
     if unknown:
@@ -162,6 +171,14 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     shown = group.replace(".init_args.", ".")  # as it is written on the command line
     reason = _first_reason(message)
     return group, reason if reason.startswith(group) else f"{shown}: {reason}", False
+
+
+def _choices(message: str) -> list[str]:
+    """Every value of the ``Literal`` types jsonargparse says it expected, in its order, each once."""
+    found: list[str] = []
+    for listed in _LITERAL.findall(message):
+        found += [str(value) for value in ast.literal_eval(f"[{listed}]") if str(value) not in found]
+    return found
 
 
 def _first_reason(message: str) -> str:
@@ -237,6 +254,9 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
     group, _, name = key.rpartition(".")
     if group.endswith(".init_args"):
         group = group.removesuffix(".init_args")
+    if not group:  # a top-level setting: seed_everthing
+        guess = did_you_mean(name, TOP_LEVEL_KEYS, "{}")
+        return [guess or f"the top-level settings are {', '.join(TOP_LEVEL_KEYS)}."]
     owner = known.get(group)
     if owner is None and "." not in group:  # a misspelt top-level group: modle.group_size
         guess = did_you_mean(group, {k.split(".")[0] for k in known}, "{}." + name)
