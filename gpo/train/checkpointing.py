@@ -16,6 +16,9 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+#: The first bytes of every file ``torch.save`` writes (a zip archive, truncated or not).
+ZIP_MAGIC = b"PK\x03\x04"
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message says which file and what to do."""
@@ -64,6 +67,12 @@ def load_checkpoint_file(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist.")
+    with path.open("rb") as file:
+        if file.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            raise CheckpointError(
+                f"{path} is not a checkpoint: torch.save writes a zip archive, and this file is not one. Give the "
+                ".ckpt file a run wrote (<default_root_dir>/checkpoints/last.ckpt)."
+            )
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except PermissionError:
@@ -76,10 +85,14 @@ def load_checkpoint_file(
                 "Checkpoints written by gpo never need more; a file that does was made elsewhere or altered."
             ) from error
         others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
-        hint = f"Resume from another checkpoint of {path.parent} ({', '.join(others)})" if others else "Start over"
+        hint = (
+            f"Use another checkpoint of {path.parent} ({', '.join(others)})"
+            if others
+            else "No other checkpoint is beside it"
+        )
         raise CheckpointError(
-            f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}, "
-            "or delete the file to start from scratch."
+            f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}; a run "
+            "resumed from this one can also start over once the file is deleted."
         ) from error
 
 

@@ -73,7 +73,7 @@ def test_a_truncated_file_is_refused_and_names_the_other_checkpoints(tmp_path):
     torch.save({"w": torch.ones(1000)}, tmp_path / "last.ckpt")
     data = (tmp_path / "last.ckpt").read_bytes()
     (tmp_path / "last.ckpt").write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*another checkpoint of .* \(step8\.ckpt\)"):
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*Use another checkpoint of .* \(step8\.ckpt\)"):
         load_checkpoint_file(tmp_path / "last.ckpt")
 
 
@@ -104,3 +104,9 @@ def test_a_checkpoint_folder_removed_mid_run_is_recreated_at_the_next_save(tmp_p
     )
     trainer.fit(module, PromptDataModule(str(data), tokenizer=str(model), prompts_per_step=2))
     assert load_checkpoint_file(folder / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_file_that_is_no_checkpoint_is_named_as_such_not_as_damaged_or_unsafe(tmp_path):
+    (tmp_path / "notes.ckpt").write_text("garbage\n")
+    with pytest.raises(CheckpointError, match=r"notes\.ckpt is not a checkpoint: torch\.save writes a zip archive"):
+        load_checkpoint_file(tmp_path / "notes.ckpt", weights_only=True)
