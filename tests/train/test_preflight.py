@@ -266,12 +266,12 @@ def test_float16_loss_scaling_needs_float32_weights_and_no_fsdp2_and_the_support
 @pytest.mark.parametrize(
     ("arg", "choices"),
     [
-        pytest.param("--model.trainer_mode=adapter", "'full', 'lora', 'qlora'", id="trainer_mode"),
-        pytest.param("--export=zip", "'merged', 'adapter', 'none'", id="export"),
-        pytest.param("--model.old_logprobs=vllm", "'rollout', 'trainer'", id="old_logprobs"),
-        pytest.param("--model.ppo_clip_ref_logprobs=vllm", "'rollout', 'batch'", id="ppo_clip_ref_logprobs"),
-        pytest.param("--model.dtype=float8", "'float32', 'bfloat16', 'float16'", id="dtype"),
-        pytest.param("--data.long_prompts=drop", "'error', 'truncate'", id="long_prompts"),
+        pytest.param("--model.trainer_mode=adapter", "adapter is not one of full, lora, qlora", id="trainer_mode"),
+        pytest.param("--export=zip", "zip is not one of merged, adapter, none", id="export"),
+        pytest.param("--model.old_logprobs=vllm", "vllm is not one of rollout, trainer", id="old_logprobs"),
+        pytest.param("--model.ppo_clip_ref_logprobs=vllm", "vllm is not one of rollout, batch", id="ppo_clip_ref_logprobs"),
+        pytest.param("--model.dtype=float8", "float8 is not one of float32, bfloat16, float16", id="dtype"),
+        pytest.param("--data.long_prompts=drop", "drop is not one of error, truncate", id="long_prompts"),
     ],
 )
 def test_a_value_outside_a_fixed_set_is_refused_by_the_parser_with_the_choices(root, capsys, arg, choices):
