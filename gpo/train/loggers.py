@@ -4,8 +4,8 @@ Logged rows are written to disk at most every ``SAVE_EVERY_S`` seconds (the CSV 
 long after the last write, TensorBoard's by its writer thread), after each evaluation (Lightning saves the loggers
 then), at each checkpoint (``GPOModule.on_save_checkpoint`` saves every logger, so a run killed and resumed loses no
 row) and at the end, but not at every logged step: writing costs about 0.7 ms each time. A resumed run logs again the
-steps between its checkpoint and the crash: the CSV keeps the new rows alone, and TensorBoard, reading steps that go
-back, drops the older points from there on (its purge of orphaned data).
+steps between its checkpoint and the crash: the CSV keeps the new rows alone, and TensorBoard drops the older points
+from there on (each TensorBoard logger marks its first step as a session start).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboardX.event_file_writer import _EventLoggerThread
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from torch import Tensor
 from typing_extensions import override
@@ -105,11 +106,20 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
     """``TensorBoardLogger`` that writes the scalars of one ``log_metrics`` call as a single event, always through
     tensorboardX (a gpo dependency, whose event types it builds).
 
+    The first step it writes is marked as the start of a session (``SessionLog.START``, as tensorboardX's
+    ``purge_step`` does). In a run resumed from a checkpoint, which logs again the steps the run before it logged
+    after that checkpoint, TensorBoard takes the second start in the folder for a restart and drops the earlier
+    points at that step and later: each step is shown once (without the mark, twice).
+
     tensorboardX sends every event through a 10-slot multiprocessing queue to its writer thread, so Lightning's
     ``add_scalar`` per key costs about 1 ms for 30 keys and blocks while the thread drains the queue; one event with
     30 values costs about 0.03 ms. TensorBoard reads both alike (a ``Summary`` may hold many values). Dict values
     (``add_scalars`` groups) keep Lightning's path.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._session_started = False
 
     @property
     @rank_zero_experiment
@@ -125,6 +135,10 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
         groups = {key: value for key, value in metrics.items() if isinstance(value, Mapping)}
         if groups:
             super().log_metrics(groups, step)
+        if not self._session_started and step is not None:
+            self._session_started = True
+            start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
+            self.experiment._get_file_writer().add_event(start)
         prefix = f"{self._prefix}{self.LOGGER_JOIN_CHAR}" if self._prefix else ""
         values = [
             Summary.Value(tag=prefix + key, simple_value=float(value))  # float() also reads a one-element tensor

@@ -3,6 +3,7 @@ the callbacks and the progress bar every batch, and logging never changes the ru
 
 import csv
 import struct
+import time
 from pathlib import Path
 
 import lightning as L
@@ -94,8 +95,13 @@ def test_logging_never_changes_the_run(tiny_assets, tmp_path):
 
 
 def tensorboard_events(folder) -> list[event_pb2.Event]:
-    """The events of the one TensorBoard file under ``folder`` (TFRecord: length, its CRC, the event, its CRC)."""
+    """The events of the one TensorBoard file under ``folder``."""
     (path,) = folder.rglob("events.out.tfevents.*")
+    return events_of(path)
+
+
+def events_of(path) -> list[event_pb2.Event]:
+    """The events of a TensorBoard file (TFRecord: length, its CRC, the event, its CRC)."""
     data, events, at = path.read_bytes(), [], 0
     while at < len(data):
         (length,) = struct.unpack("<Q", data[at : at + 8])
@@ -125,6 +131,31 @@ def test_tensorboard_save_puts_every_logged_event_on_disk_and_logging_goes_on(tm
     tensorboard.log_metrics({"val/reward": 1.0}, step=50)
     tensorboard.save()
     assert [e.step for e in tensorboard_events(tmp_path) if e.summary.value][-1] == 50
+
+
+def test_each_tensorboard_session_starts_at_its_first_step_so_a_resumed_run_supersedes_the_steps_it_logs_again(
+    tmp_path, monkeypatch
+):
+    """A run killed after its checkpoint at step 10 had logged steps up to 20; resumed, it logs 10 onwards again into
+    a new file of the same folder. TensorBoard takes the second ``SessionLog.START`` of a folder for a restart and drops
+    the points at its step and later (tensorboard's event accumulators, checked by hand: tensorboard is not a
+    dependency), so each step is shown once."""
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    (_, crashed) = default_loggers(str(tmp_path))
+    for step in range(21):
+        crashed.log_metrics({"reward/mean": 0.0}, step=step)
+    crashed.save()
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_060.0)  # the new file's name: a minute later
+    (_, resumed) = default_loggers(str(tmp_path), resume=True)
+    for step in range(10, 31):
+        resumed.log_metrics({"reward/mean": 1.0}, step=step)
+    resumed.finalize("success")
+    files = sorted(Path(resumed.log_dir).glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    for path, first in zip(files, (0, 10), strict=True):
+        events = [e for e in events_of(path) if not e.file_version]
+        assert events[0].session_log.status == event_pb2.SessionLog.START and events[0].step == first
+        assert [e.step for e in events[1:]] == list(range(first, first + 21))  # then the scalars, one event a step
 
 
 def test_csv_rows_reach_the_disk_within_save_every_s_not_at_every_log(tmp_path, monkeypatch):
