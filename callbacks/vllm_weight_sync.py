@@ -122,7 +122,7 @@ class VLLMWeightSync(Callback):
         prompt_ids = [pl_module.tokenizer(text).input_ids for text in self.probe_prompts]
         rollout = pl_module.engine.generate(prompt_ids, 1, greedy=True, logprobs=True).to(pl_module.device)
         trainer_logp = pl_module.scorer.rollout_scores(rollout, temperature=1.0).logp  # greedy: no temperature
-        mask = rollout.completion_mask
+        mask = rollout.loss_mask  # the sampled tokens: a multi-turn transcript's environment tokens have no logp
         diff = (rollout.logp - trainer_logp.float()).abs() * mask  # [B, T]
         worst, mean = float(diff.max()), float(masked_mean(diff, mask))
         if worst > self.max_logprob_diff:

@@ -197,11 +197,14 @@ class RolloutEngine(ABC):
         shares_policy_weights: the engine samples from the very module being trained (no copy of the weights to keep
             in sync): its log-probs equal the trainer's, so the trainer does not measure a mismatch.
         serves_all_ranks: one engine (a server) serves every training process: weight updates come from rank 0 alone.
+        episodic: the engine plays environment episodes: its rollouts carry ``turn_rewards`` and ``turn_index``, which
+            per-turn credit (``model.step_rewards``) needs.
     """
 
     sampling: Sampling
     shares_policy_weights: bool = False
     serves_all_ranks: bool = False
+    episodic: bool = False
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:  # noqa: B027
         """Called once by the trainer with the policy it trains; engines with their own weights may ignore it."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.envs.base import Environment, Episodes, LocalEpisodes, Step
@@ -75,6 +77,8 @@ class MultiTurnEngine(RolloutEngine):
             around ``{observation}``).
     """
 
+    episodic = True
+
     def __init__(
         self,
         *,
@@ -99,6 +103,14 @@ class MultiTurnEngine(RolloutEngine):
     @property
     def shares_policy_weights(self) -> bool:
         return self.engine.shares_policy_weights
+
+    @property
+    def serves_all_ranks(self) -> bool:
+        return self.engine.serves_all_ranks
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """The wrapped engine's weights (``VLLMWeightSync`` keeps a vLLM engine inside this one in step)."""
+        self.engine.update_weights(named_tensors)
 
     @property
     def sampling(self) -> Sampling:

@@ -80,6 +80,7 @@ def assemble(
     old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
     preflight.check_distillation(distill, teacher)
+    preflight.check_step_rewards(step_rewards, engine)
     sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
     pipeline = None
     if max_off_policy_steps:

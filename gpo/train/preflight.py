@@ -283,9 +283,33 @@ def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches:
         )
 
 
+def check_step_rewards(step_rewards: Any, engine: Any) -> None:
+    """Per-turn credit needs the turn rewards and turn indices that only an episodic (multi-turn) engine records."""
+    if step_rewards is not None and not engine.episodic:
+        raise ValueError(
+            f"model.step_rewards needs multi-turn rollouts, and model.engine is {type(engine).__name__}: set "
+            "model.engine to a MultiTurnEngine (configs/multiturn.yaml), or remove model.step_rewards."
+        )
+
+
+def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> None:
+    """An engine with its own copy of the weights (vLLM) samples from the initial policy all run unless
+    ``VLLMWeightSync`` pushes the trained weights into it."""
+    from gpo.callbacks import VLLMWeightSync
+
+    if not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks):
+        log.warning(
+            "model.engine holds its own copy of the weights and trainer.callbacks has no VLLMWeightSync: it will "
+            "sample from the initial policy for the whole run while the trainer's policy moves. Add "
+            "gpo.callbacks.VLLMWeightSync to trainer.callbacks (configs/quickstart_vllm.yaml shows how)."
+        )
+
+
 def check_run(module, trainer) -> None:
     """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, router inputs, reward
     columns, context length, minibatch split, precision, strategy."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
     from gpo.parallel import collectives, fsdp
     from gpo.train.data import PromptDataModule
 
@@ -306,6 +330,8 @@ def check_run(module, trainer) -> None:
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            warn_if_sampler_never_synced(module.learner.sampler_shares_weights, trainer.callbacks)
         check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy), module.model.dtype)
         fsdp.check_strategy(trainer.strategy)
         fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

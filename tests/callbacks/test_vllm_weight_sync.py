@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM
 from typing_extensions import override
 
 from gpo.callbacks import VLLMWeightSync
+from gpo.envs import NumberGuess
 from gpo.models.loading import LoraSettings
 from gpo.models.scorer import score_tokens
-from gpo.rollout import Sampling
+from gpo.rollout import MultiTurnEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
@@ -108,6 +109,16 @@ def test_engine_logprobs_equal_the_trainers_after_each_optimiser_step(assets, en
     assert all(m["weight_sync/logprob_diff_max"] < 1e-4 for m in recorder.sync_metrics)
     # every step moved the weights: an engine left at the previous step's weights would have failed the check
     assert len(recorder.moved) == 3 and min(recorder.moved) > 1e-3, recorder.moved
+
+
+@needs_vllm
+def test_a_vllm_engine_inside_a_multi_turn_engine_is_synced_and_verified_on_the_policys_tokens(assets, engine):
+    """The weights reach the vLLM engine a MultiTurnEngine samples each turn with, and the probe compares the
+    policy's tokens only (an episode's environment tokens carry no sampler log-prob)."""
+    episodic = MultiTurnEngine(engine=engine, env=NumberGuess(), max_turns=2)
+    sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
+    fit(assets, episodic, sync, steps=3)
+    assert sync.syncs == 4  # at train start, then after each step, each verified within 1e-4
 
 
 @needs_vllm

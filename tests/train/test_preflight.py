@@ -112,6 +112,19 @@ def test_the_good_config_reaches_sampling(root):
         fit(root)
 
 
+def test_an_engine_with_its_own_weights_and_no_weight_sync_warns_when_training_starts(caplog):
+    """A vLLM engine nobody syncs samples from the initial policy all run; an engine sampling the trained module
+    itself, or one that VLLMWeightSync keeps in step, gets no warning."""
+    from gpo.callbacks import VLLMWeightSync
+    from gpo.train.preflight import warn_if_sampler_never_synced
+
+    warn_if_sampler_never_synced(True, [])
+    warn_if_sampler_never_synced(False, [VLLMWeightSync()])
+    assert "VLLMWeightSync" not in caplog.text
+    warn_if_sampler_never_synced(False, [])
+    assert "will sample from the initial policy for the whole run" in caplog.text
+
+
 def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):
     with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # a warning, not an error: the run starts
         fit(root, "--model.optim.number_of_minibatches=2")
@@ -137,6 +150,9 @@ def test_a_policy_that_is_neither_a_folder_nor_a_hub_model(root, monkeypatch):
 
 CLI_CASES = [
     # ---- impossible numbers -----------------------------------------------------------------------------------
+    bad("step_rewards_single_turn", "--model.step_rewards.mode=env_sparse",
+        field="model.step_rewards needs multi-turn rollouts, and model.engine is HFEngine",
+        fix="set model.engine to a MultiTurnEngine"),
     bad("group_size_1", "--model.group_size=1", field="model.group_size=1", fix="set it to >= 2"),
     bad("group_size_0", "--model.group_size=0", field="model.group_size=0", fix="set it to >= 2"),
     bad("max_new_tokens_0", "--model.engine.init_args.sampling.max_new_tokens=0",
@@ -269,7 +285,9 @@ def test_float16_loss_scaling_needs_float32_weights_and_no_fsdp2_and_the_support
         pytest.param("--model.trainer_mode=adapter", "adapter is not one of full, lora, qlora", id="trainer_mode"),
         pytest.param("--export=zip", "zip is not one of merged, adapter, none", id="export"),
         pytest.param("--model.old_logprobs=vllm", "vllm is not one of rollout, trainer", id="old_logprobs"),
-        pytest.param("--model.ppo_clip_ref_logprobs=vllm", "vllm is not one of rollout, batch", id="ppo_clip_ref_logprobs"),
+        pytest.param(
+            "--model.ppo_clip_ref_logprobs=vllm", "vllm is not one of rollout, batch", id="ppo_clip_ref_logprobs"
+        ),
         pytest.param("--model.dtype=float8", "float8 is not one of float32, bfloat16, float16", id="dtype"),
         pytest.param("--data.long_prompts=drop", "drop is not one of error, truncate", id="long_prompts"),
     ],
