@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -203,12 +204,19 @@ class GPOModule(RolloutSource, LightningModule):
         if not self.feed.ready():  # the first max_off_policy_steps batches only fill the pipeline
             publish(self.trainer, {"pipeline/filling": torch.tensor(1.0, device=self.device)}, log=True)
             return
-        trainable = self._trainable(self.feed.take())
+        trainable, dropped = self._trainable(self.feed.take())
         if trainable is None:
             skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
+            if dropped:  # pipelined: every row of the batch was too stale to train on
+                skipped["pipeline/dropped_stale"] = float(dropped)
+                rank_zero_warn(
+                    f"all {dropped} rows of a training batch were sampled more than model.max_off_policy_steps steps "
+                    "ago and were dropped (pipeline/dropped_stale). With VLLMWeightSync(weight_sync_interval > 1) "
+                    "the engine's weights are older still: raise model.max_off_policy_steps, or sync every step."
+                )
             publish(self.trainer, {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}, log=True)
             return
-        rollout, mask, dropped, collected = *trainable, time.perf_counter()
+        rollout, mask, collected = *trainable, time.perf_counter()
         step, step_adv, adv = self.credit(rollout, mask)
         metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))
         metrics |= self.feed.trained(self.model, rollout, dropped, self.device)
@@ -216,10 +224,10 @@ class GPOModule(RolloutSource, LightningModule):
         publish_step(self.trainer, self.collector, rollout, step, step_adv, metrics,
                      scoring_s=scoring_s, training_s=time.perf_counter() - collected)  # fmt: skip
 
-    def _trainable(self, rollout: Rollout | None) -> tuple[Rollout, Tensor, int] | None:
-        """``rollout`` after the rollout hooks (and without rows staler than the pipeline's bound), its loss mask
-        ``[B, T]`` and the count of stale rows dropped; None when the step cannot train: a rank has too few rows, or
-        no rank has a token left in the loss (all ranks skip together)."""
+    def _trainable(self, rollout: Rollout | None) -> tuple[tuple[Rollout, Tensor] | None, int]:
+        """``rollout`` after the rollout hooks (and without rows staler than the pipeline's bound) with its loss mask
+        ``[B, T]``, or None when the step cannot train: a rank has too few rows, or no rank has a token left in the
+        loss (all ranks skip together); and the count of stale rows dropped."""
         dropped = 0
         if rollout is not None:
             rollout, dropped = self.feed.within_bound(rollout)
@@ -227,9 +235,9 @@ class GPOModule(RolloutSource, LightningModule):
             rollout = run_rollout_hooks(self.trainer, self, rollout)
         rows = len(rollout) if rollout is not None else 0
         if not collectives.every_rank_holds(rows, self.learner.optim.number_of_minibatches, self.device):
-            return None
+            return None, dropped
         mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
-        return (rollout, mask, dropped) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None
+        return ((rollout, mask) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None), dropped
 
     def draw_rollout(self) -> Rollout:
         """Another batch of training prompts, sampled and scored (``DynamicSampling`` calls it)."""

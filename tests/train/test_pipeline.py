@@ -184,6 +184,38 @@ def test_rows_staler_than_the_bound_are_dropped_and_counted():
         pipeline.close()
 
 
+class Logged(L.Callback):
+    """Each batch's ``pipeline/dropped_stale`` and ``rollout/skipped`` as the callbacks see them."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        keys = ("pipeline/dropped_stale", "rollout/skipped")
+        self.rows.append({key: float(trainer.callback_metrics[key]) for key in keys if key in trainer.callback_metrics})
+
+
+def test_a_batch_whose_rows_are_all_too_stale_is_skipped_counted_and_warned_about(workspace, monkeypatch):
+    """With VLLMWeightSync(weight_sync_interval > max_off_policy_steps) whole batches go stale: the step is skipped,
+    and the count of dropped rows still reaches the metrics, with a warning that says what to change."""
+    real, calls = RolloutPipeline.within_bound, []
+
+    def all_stale_once(self, rollout):
+        calls.append(len(rollout))
+        if len(calls) == 2:
+            return rollout.select(torch.zeros(0, dtype=torch.long)), len(rollout)
+        return real(self, rollout)
+
+    monkeypatch.setattr(RolloutPipeline, "within_bound", all_stale_once)
+    logged = Logged()
+    with pytest.warns(UserWarning, match=r"all 64 rows of a training batch .* raise model.max_off_policy_steps"):
+        fit(workspace, 3, 1, logged)
+    dropped = [row.get("pipeline/dropped_stale") for row in logged.rows]
+    # batch 0 fills the pipeline, batch 1 trains, batch 2's rows are all dropped: skipped, then steps 2 and 3 train
+    assert dropped == [None, 0.0, 64.0, 0.0, 0.0], logged.rows
+    assert logged.rows[2]["rollout/skipped"] == 1.0
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
