@@ -13,7 +13,7 @@ from typing_extensions import override
 from gpo.algo.masked import masked_mean
 from gpo.models.weights import checkpoint_weights, full_parameters
 from gpo.train.hooks import require_source
-from gpo.train.metrics import publish
+from gpo.train.metrics import log_due, publish
 
 DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
 
@@ -43,9 +43,9 @@ class VLLMWeightSync(Callback):
     logs ``weight_sync/logprob_diff_max`` and ``weight_sync/logprob_diff_mean`` (absolute differences over the
     completion tokens) and raises RuntimeError when the maximum exceeds ``max_logprob_diff``. Float32 engine and
     trainer agree to about 1e-5; bfloat16 differs by up to about 0.3, hence the default. Also logged:
-    ``weight_sync/count`` and ``weight_sync/seconds`` (time of the push). Each sync's metrics are written to the
-    loggers when it happens (the first one, at train start, at step 0), so a row holds a verification exactly when
-    one was made.
+    ``weight_sync/count`` and ``weight_sync/seconds`` (time of the push). A sync's metrics are written to the
+    loggers at the steps that log (``trainer.log_every_n_steps``) and at every verification (the first one, at train
+    start, at step 0), so a row holds a verification exactly when one was made.
 
     What the LightningModule must provide (gpo's ``GPOModule`` does): ``gpo.train.hooks.RolloutSource``'s ``engine``
     (a ``RolloutEngine`` with weights of its own), ``policy`` (the trained model, peft or not) and ``scorer`` (a
@@ -111,10 +111,13 @@ class VLLMWeightSync(Callback):
             trainer.strategy.barrier("vllm_weight_sync")
         self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
         metrics = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
-        if self.verify_every_k and (self.syncs - 1) % self.verify_every_k == 0:
+        verified = self.verify_every_k and (self.syncs - 1) % self.verify_every_k == 0
+        if verified:
             metrics.update(self.verify(pl_module))
-        # Written now, at this batch's step: a verification is logged exactly where it happened, and only there.
-        publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=True, progress=())
+        # To the loggers when logging is due, and at each verification: a verification is logged exactly where it
+        # happened, and only there.
+        log = bool(verified) or log_due(trainer)
+        publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=log, progress=())
 
     @torch.no_grad()
     def verify(self, pl_module: LightningModule) -> dict[str, float]:

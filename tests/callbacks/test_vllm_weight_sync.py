@@ -78,7 +78,7 @@ class MismatchRecorder(RolloutCallback):
         self.sync_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith("weight_sync/")})
 
 
-def fit(assets, engine, sync, steps, logger=False, **module_kwargs):
+def fit(assets, engine, sync, steps, logger=False, log_every_n_steps=50, **module_kwargs):
     folder, data = assets
     warnings.filterwarnings("ignore", module="lightning")
     L.seed_everything(0)
@@ -88,6 +88,7 @@ def fit(assets, engine, sync, steps, logger=False, **module_kwargs):
     trainer = L.Trainer(
         max_steps=steps,
         logger=logger,
+        log_every_n_steps=log_every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -146,15 +147,18 @@ def test_sync_interval_counts_optimiser_steps_and_the_count_is_checkpointed(asse
 
 
 @needs_vllm
-def test_a_verification_is_logged_in_the_row_of_the_sync_that_made_it_and_only_there(assets, engine, tmp_path):
-    sync = VLLMWeightSync(verify_every_k=2, max_logprob_diff=1e-4)
-    fit(assets, engine, sync, steps=4, logger=CSVLogger(tmp_path))
+def test_a_verification_is_logged_in_the_row_of_the_sync_that_made_it_other_syncs_at_logged_steps(
+    assets, engine, tmp_path
+):
+    sync = VLLMWeightSync(verify_every_k=3, max_logprob_diff=1e-4)
+    fit(assets, engine, sync, steps=5, logger=CSVLogger(tmp_path), log_every_n_steps=2)
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     synced = [(int(r["step"]), r["weight_sync/count"], r["weight_sync/logprob_diff_max"]) for r in rows
               if r.get("weight_sync/count")]  # fmt: skip
-    # syncs 1 (train start, step 0), 2-5 after batches 0-3; every second one verified, starting with the first
-    assert [(step, count) for step, count, _ in synced] == [(0, "1.0"), (0, "2.0"), (1, "3.0"), (2, "4.0"), (3, "5.0")]
-    assert [bool(diff) for _, _, diff in synced] == [True, False, True, False, True]
+    # syncs 1 (train start, step 0) and 2-6 after batches 0-4; syncs 1 and 4 verified (every third); batches 1 and 3
+    # log (every second), and batch 4, the last
+    assert [(step, count) for step, count, _ in synced] == [(0, "1.0"), (1, "3.0"), (2, "4.0"), (3, "5.0"), (4, "6.0")]
+    assert [bool(diff) for _, _, diff in synced] == [True, False, True, False, False]
 
 
 @pytest.mark.parametrize(
