@@ -6,7 +6,7 @@ layers, character vocabulary, float32 in both engines), ``sort_digits`` prompts 
 ``n`` completions per call of up to ``max_new_tokens`` tokens at temperature 1 (no top-p/top-k), a new seed per
 call. Each engine generates ``warmup`` calls, then ``calls`` measured calls; tokens/s = generated completion tokens
 (up to and including EOS) / wall seconds of ``engine.generate``. Both with the sampled tokens' log-probs (what the
-trainer reads with ``ppo_clip_ref_logprobs: rollout``; HFEngine pays one extra forward pass for them, vLLM returns
+trainer reads with ``model.old_logprobs: rollout``; HFEngine pays one extra forward pass for them, vLLM returns
 them with the samples) and without.
 
 Run from the repository root (1 torch thread by default, the engine's own thread count on the CPU; keep the other
@@ -33,7 +33,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from gpo.rollout import HFEngine
+from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.vllm import VLLMEngine
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
@@ -69,12 +69,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt_ids = [tokenizer(row["prompt"]).input_ids for row in make_task("sort_digits", args.prompts)]
-    sampling = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens}
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens)
     length = max(len(p) for p in prompt_ids) + args.max_new_tokens
     engines = {
-        "HFEngine": HFEngine(**sampling),
+        "HFEngine": HFEngine(sampling=sampling),
         "VLLMEngine": VLLMEngine(
-            **sampling, dtype="float32", max_model_len=length, kv_cache_memory_bytes=256 << 20, enforce_eager=True
+            sampling=sampling,
+            dtype="float32",
+            max_model_len=length,
+            kv_cache_memory_bytes=256 << 20,
+            enforce_eager=True,
         ),
     }
     load = os.getloadavg()[0]
