@@ -16,8 +16,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-#: The first bytes of every file ``torch.save`` writes (a zip archive, truncated or not).
-ZIP_MAGIC = b"PK\x03\x04"
+#: The first bytes of what ``torch.save`` writes: a zip archive, or a pickle (protocol 2 or later) before torch 1.6.
+TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
 class CheckpointError(RuntimeError):
@@ -67,17 +67,16 @@ def load_checkpoint_file(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist.")
-    with path.open("rb") as file:
-        if file.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            raise CheckpointError(
-                f"{path} is not a checkpoint: torch.save writes a zip archive, and this file is not one. Give the "
-                ".ckpt file a run wrote (<default_root_dir>/checkpoints/last.ckpt)."
-            )
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except PermissionError:
         raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
+        if not _starts_like_torch_save(path):
+            raise CheckpointError(
+                f"{path} is not a checkpoint: torch.save writes a zip archive (or, before torch 1.6, a pickle), and "
+                "this file is neither. Give the .ckpt file a run wrote (<default_root_dir>/checkpoints/last.ckpt)."
+            ) from error
         if "Weights only load failed" in str(error):
             raise CheckpointError(
                 f"checkpoint {path} holds pickled objects other than tensors and plain values, and was not loaded: "
@@ -94,6 +93,14 @@ def load_checkpoint_file(
             f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}; a run "
             "resumed from this one can also start over once the file is deleted."
         ) from error
+
+
+def _starts_like_torch_save(path: Path) -> bool:
+    """Whether ``path`` begins as a ``torch.save`` file does; a file too short to tell (cut off early) counts as one,
+    a damaged one."""
+    with path.open("rb") as file:
+        head = file.read(len(TORCH_SAVE_MAGIC[0]))
+    return len(head) < len(TORCH_SAVE_MAGIC[0]) or head.startswith(TORCH_SAVE_MAGIC)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -110,3 +110,10 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such_not_as_damaged_or_unsafe(
     (tmp_path / "notes.ckpt").write_text("garbage\n")
     with pytest.raises(CheckpointError, match=r"notes\.ckpt is not a checkpoint: torch\.save writes a zip archive"):
         load_checkpoint_file(tmp_path / "notes.ckpt", weights_only=True)
+    # what torch.load reads is still read: a pickle from before torch 1.6's zip format
+    torch.save({"global_step": 3}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    assert load_checkpoint_file(tmp_path / "legacy.ckpt", weights_only=True) == {"global_step": 3}
+    # a file cut off before its first bytes reached the disk is damaged, with the other checkpoints named
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*\(legacy\.ckpt, notes\.ckpt\)"):
+        load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)
