@@ -73,7 +73,10 @@ _NOT_ACCEPTED = re.compile(
 )
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
-_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*?)\]")
+_LITERAL = re.compile(r"typing\.Literal\[(.*?)\]")
+_SUBTYPES = re.compile(r"Subtypes: \[(.*)\]$", re.MULTILINE)  # a union's member types
+_EXPECTED = re.compile(r"Expected a (.*?)(?:\. Got value|$)", re.MULTILINE)
+_CLASS_NAME = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
@@ -174,11 +177,35 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
 
 
 def _choices(message: str) -> list[str]:
-    """Every value of the ``Literal`` types jsonargparse says it expected, in its order, each once."""
-    found: list[str] = []
-    for listed in _LITERAL.findall(message):
+    """The values a setting takes when they form a closed set (``Literal`` values, with ``true, false`` for a bool
+    and ``null`` for None), in jsonargparse's order, each once; ``[]`` when it also takes an open type (an int, a
+    string, a class). Read in the innermost ``Parser key`` block: a nested setting's own account, not its group's."""
+    block = _innermost_block(message)
+    subtypes = _SUBTYPES.search(block)
+    listing = subtypes.group(1) if subtypes else " ".join(_EXPECTED.findall(block))
+    classes = _CLASS_NAME.findall(listing)
+    if any(name not in ("bool", "NoneType") for name in classes):
+        return []
+    found = ["true", "false"] if "bool" in classes else []
+    for listed in _LITERAL.findall(listing):
         found += [str(value) for value in ast.literal_eval(f"[{listed}]") if str(value) not in found]
-    return found
+    return [*found, "null"] if found and "NoneType" in classes else found
+
+
+def _innermost_block(message: str) -> str:
+    """The lines of the last ``Parser key "..."`` line of ``message`` and those indented under it."""
+    lines = message.splitlines()
+    starts = [index for index, line in enumerate(lines) if 'Parser key "' in line]
+    if not starts:
+        return message
+    head = lines[starts[-1]]
+    indent = len(head) - len(head.lstrip())
+    block = [head]
+    for line in lines[starts[-1] + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        block.append(line)
+    return "\n".join(block)
 
 
 def _first_reason(message: str) -> str:
