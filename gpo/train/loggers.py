@@ -153,7 +153,7 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
         """Every event logged so far on disk. tensorboardX's ``flush`` writes only the events its writer thread has
         already taken from its queue: an evaluation logged just before a checkpoint, then a crash, lost its points. So
         the thread is stopped (it writes what is queued before its stop signal), the file flushed, and a new thread
-        started on the same queue and file."""
+        started on the same queue and file (tensorboardX 2.6's internals; pyproject.toml keeps it below 2.7)."""
         super().save()
         file_writer = self._experiment.file_writer if self._experiment is not None else None
         if file_writer is not None:  # None: closed (finalize); _get_file_writer would open a new, empty file

@@ -1,5 +1,6 @@
 """Reward mixers and token weights."""
 
+import importlib
 import statistics
 from pathlib import Path
 
@@ -8,7 +9,6 @@ import torch
 import yaml
 
 from gpo.algo import (
-    GRPO,
     EnvEventOutcomeBlend,
     GroupNormalizedSum,
     NoGate,
@@ -62,7 +62,9 @@ def test_gdpo_config_advantage_is_the_normalised_sum_whitened_over_the_batch():
     expected = [(a - statistics.fmean(summed)) / statistics.pstdev(summed) for a in summed]
     config = yaml.safe_load((CONFIGS / "gdpo.yaml").read_text())["model"]
     mixer = GroupNormalizedSum(**config["mixer"]["init_args"])
-    advantage = GRPO(**config["algorithm"]["init_args"]).parts().advantage
+    module, _, name = config["algorithm"]["class_path"].rpartition(".")
+    algorithm = getattr(importlib.import_module(module), name)(**config["algorithm"]["init_args"])
+    advantage = algorithm.parts().advantage
     group = torch.tensor(groups)
     got = advantage(mixer(torch.tensor(scores), group), group, torch.ones(6, 1))[:, 0]
     torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6)
