@@ -3,7 +3,6 @@ export) and configuration errors that name the key, the file and the fix."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
@@ -14,6 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
+from gpo.logfilters import drop_messages
 from gpo.train.loggers import default_loggers
 from gpo.train.preflight import check_trainer_loop
 
@@ -113,20 +113,15 @@ def quiet_lightning() -> None:
     deprecation warning its own pytree helper raises under torch 2.13, its warning about the empty validation loader
     of a run without held-out prompts, and its hint for a ``--ckpt_path last`` that finds no checkpoint."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_NO_TIPS)  # the same filter object is added once, however many CLIs
+        drop_messages(name, "\N{ELECTRIC LIGHT BULB} Tip:")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # a run without held-out prompts (data.val_path: null) has an empty validation loader by design
     warnings.filterwarnings("ignore", message=r"Total length of `DataLoader` across ranks is zero")
     # ResumeCheckpoint says so itself, without Lightning's hint to set save_last (gpo's checkpoints always do)
     warnings.filterwarnings("ignore", message=r'.*\(ckpt_path="last"\) is set, but there is no last checkpoint')
-
-
-class _NoTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
-_NO_TIPS = _NoTips()
+    # an in-process vLLM engine starts torch.distributed (a world of one), and Lightning then asks for sync_dist on
+    # every evaluation metric of a one-process run; gpo's evaluation logs with sync_dist where it counts
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/")
 
 
 def _tokenizer_folder(policy, tokenizer) -> str:

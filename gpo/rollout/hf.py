@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from gpo.logfilters import drop_messages
 from gpo.models.loading import training_mode
 from gpo.models.scorer import TokenScorer
 from gpo.parallel.fsdp import sampling_mode
@@ -91,7 +91,10 @@ class HFEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         check_generation_config(policy)
-        logging.getLogger("transformers.generation.utils").addFilter(_MAX_LENGTH_NOTICE)  # once: the same filter
+        # transformers warns at every generate call that max_new_tokens (the engine's budget) wins over a max_length
+        # the checkpoint's generation config sets (Llama 2's chat models set 4096), and that its min_new_tokens wins
+        # over the engine's min_length of 0: both as the engine means.
+        drop_messages("transformers.generation.utils", "Both `max_new_tokens`", "Both `min_new_tokens`")
         self.policy, self.tokenizer = policy, tokenizer
         self.scorer = TokenScorer(policy, temperature=self.sampling.temperature)
         self.generation_configs: dict[tuple[Sampling, bool], GenerationConfig] = {}
@@ -176,18 +179,6 @@ def check_generation_config(policy: PreTrainedModel) -> None:
             f"generation_config.json of the policy's folder{folder}, or set it to None in the generation_config of a "
             "loaded policy."
         )
-
-
-class _MaxLengthNotice(logging.Filter):
-    """Drops transformers' warnings, at every ``generate`` call, that ``max_new_tokens`` (the engine's budget) wins over
-    a ``max_length`` the checkpoint's generation config sets (Llama 2's chat models set 4096), and that its
-    ``min_new_tokens`` wins over the engine's ``min_length`` of 0: both as the engine means."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(("Both `max_new_tokens`", "Both `min_new_tokens`"))
-
-
-_MAX_LENGTH_NOTICE = _MaxLengthNotice()
 
 
 def seed_generator(seed: int, device: torch.device) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gpo.logfilters import drop_messages
 from gpo.models.loading import unwrap
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.token_lists import prompt_seeds, rollout_from_token_lists
@@ -159,6 +160,10 @@ class VLLMEngine(RolloutEngine):
             # No tokenizer in vLLM: prompts go in and completions come out as token ids.
             self.llm = LLM(
                 model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
+            )
+            # each weight update: the rotary embedding's cache is computed, not loaded, and vLLM puts it back itself
+            drop_messages(
+                "vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights"
             )
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)

@@ -85,7 +85,7 @@ def log_evaluation(module: LightningModule, metrics: dict[str, Tensor], prompts:
     the reward-error counts; ``val/reward_greedy`` on the progress bar."""
     for name, value in metrics.items():
         if "/reward_errors_" in name:
-            module.log(name, value, batch_size=prompts, reduce_fx="sum")
+            module.log(name, value, batch_size=prompts, reduce_fx="sum", sync_dist=True)  # summed over the ranks
         else:
             module.log(name, value, batch_size=prompts, prog_bar=name == "val/reward_greedy", sync_dist=True)
 
