@@ -55,9 +55,10 @@ class Custom(Algorithm):
 
 @dataclass(frozen=True)
 class PPOClip:
-    """PPO ratio clipping layered on a preset of the policy-gradient family (GRPO, RLOO, REINFORCE++, Dr. GRPO, MaxRL):
-    ``use_ppo_clip`` with its ``clip_low`` / ``clip_high`` in flat GRPO configs, recommended with several updates
-    per rollout.
+    """PPO ratio clipping layered on a preset of the policy-gradient family (GRPO, RLOO, REINFORCE++, Dr. GRPO).
+
+    Also MaxRL. It is ``use_ppo_clip`` with its ``clip_low`` / ``clip_high`` in flat GRPO configs, recommended
+    with several updates per rollout.
 
     Args:
         clip_low: lower clip distance (ratio >= 1 - clip_low).

@@ -12,8 +12,9 @@ LossAggMode = Literal["token_mean", "token_sum_norm"]
 
 
 class GRPO(Algorithm):
-    """GRPO (DeepSeekMath, Shao et al. 2024): group mean / std advantages, plain policy gradient, mean over
-    sequences of token means. Seed 000's default algorithm.
+    """GRPO (DeepSeekMath, Shao et al. 2024): group mean / std advantages and the plain policy gradient.
+
+    The loss is the mean over sequences of their token means. Seed 000's default algorithm.
 
     Args:
         advantage_norm: divide the centred reward by the ``group``'s std or the whole ``batch``'s.
@@ -28,8 +29,9 @@ class GRPO(Algorithm):
 
 
 class RLOO(Algorithm):
-    """RLOO (Ahmadian et al. 2024): leave-one-out baseline, ``n / (n - 1)`` x the mean-centred reward. Its baseline
-    is a group statistic, so there is no batch normalisation (refused: use ``ReinforcePP`` for that).
+    """RLOO (Ahmadian et al. 2024): a leave-one-out baseline, ``n / (n - 1)`` x the mean-centred reward.
+
+    Its baseline is a group statistic, so there is no batch normalisation (refused: use ``ReinforcePP`` for that).
 
     Args:
         ppo_clip: layer PPO ratio clipping on the gradient.
@@ -43,8 +45,9 @@ class RLOO(Algorithm):
 
 
 class ReinforcePP(Algorithm):
-    """REINFORCE++ (Hu et al. 2025): group mean subtracted, then whitened over the whole batch (batch
-    normalisation is part of the method, so there is no setting for it).
+    """REINFORCE++ (Hu et al. 2025): the group mean subtracted, then whitened over the whole batch.
+
+    Batch normalisation is part of the method, so there is no setting for it.
 
     Args:
         ppo_clip: layer PPO ratio clipping on the gradient.
@@ -58,8 +61,9 @@ class ReinforcePP(Algorithm):
 
 
 class DrGRPO(Algorithm):
-    """Dr. GRPO (Liu et al. 2025): mean-centred advantages (no std), and no length normalisation with
-    ``token_sum_norm``: the token sum divided by ``samples x max_completion_length``.
+    """Dr. GRPO (Liu et al. 2025): mean-centred advantages (no std), and no length normalisation.
+
+    With ``token_sum_norm`` the loss is the token sum divided by ``samples x max_completion_length``.
 
     Args:
         loss_agg_mode: ``token_mean`` (mean over the step's tokens) or ``token_sum_norm``.
@@ -103,8 +107,9 @@ class DrGRPO(Algorithm):
 
 
 class MaxRL(Algorithm):
-    """MaxRL (maximum-likelihood RL, arXiv 2602.02710; prime-rl's ``max_rl``): GRPO with the centred reward divided by
-    the group mean instead of the std, so a rare success weighs like ``1 / pass rate``.
+    """MaxRL (maximum-likelihood RL, arXiv 2602.02710): GRPO with the centred reward divided by the group mean.
+
+    prime-rl's ``max_rl``. Dividing by the mean instead of the std weighs a rare success like ``1 / pass rate``.
 
     Args:
         eps: a group mean reward at or below ``eps`` gives zero advantage.

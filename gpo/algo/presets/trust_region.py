@@ -21,8 +21,9 @@ from gpo.algo.presets.base import AdvantageNorm, Algorithm, Parts, check_norm
 
 
 class DAPO(Algorithm):
-    """DAPO (Yu et al. 2025): PPO clipping with a higher upper bound (clip-higher) and a token-mean loss. Its other
-    parts are separate: dynamic sampling (``gpo.callbacks.DynamicSampling``), overlong filtering
+    """DAPO (Yu et al. 2025): PPO clipping with a higher upper bound (clip-higher) and a token-mean loss.
+
+    Its other parts are separate: dynamic sampling (``gpo.callbacks.DynamicSampling``), overlong filtering
     (``gpo.algo.OverlongFilter`` in ``token_weights``) and soft overlong punishment (a reward function,
     ``gpo.rewards.SoftOverlongPunishment``).
 
@@ -49,9 +50,10 @@ class DAPO(Algorithm):
 
 
 class CISPO(Algorithm):
-    """CISPO (MiniMax-M1, 2025): the importance weight clamped to ``[1 - clip_low, 1 + clip_high]`` and detached,
-    times the log-probability gradient, token-mean loss: no token is ever dropped. It handles the ratio itself, so
-    there is no PPO clipping to layer on it.
+    """CISPO (MiniMax-M1, 2025): a clamped, detached importance weight times the log-probability gradient.
+
+    The weight is clamped to ``[1 - clip_low, 1 + clip_high]``; token-mean loss: no token is ever dropped. It
+    handles the ratio itself, so there is no PPO clipping to layer on it.
 
     Args:
         clip_low: lower clamp distance.
@@ -70,8 +72,10 @@ class CISPO(Algorithm):
 
 
 class GSPO(Algorithm):
-    """GSPO (Zheng et al. 2025): the length-normalised sequence ratio, clipped; sequence-mean loss. The paper used
-    clip distances of 3e-4 / 4e-4; the defaults here are 0.4 / 0.5, those of flat GRPO configs (seed 000).
+    """GSPO (Zheng et al. 2025): the length-normalised sequence ratio, clipped; sequence-mean loss.
+
+    The paper used clip distances of 3e-4 / 4e-4; the defaults here are 0.4 / 0.5, those of flat GRPO configs
+    (seed 000).
 
     Args:
         clip_low: lower clip distance of the sequence ratio.
@@ -97,8 +101,9 @@ class GSPO(Algorithm):
 
 
 class SAPO(Algorithm):
-    """SAPO (Gao et al. 2025): a sigmoid soft gate on the ratio instead of a hard clip, sharper for negative
-    advantages; sequence-mean loss.
+    """SAPO (Gao et al. 2025): a sigmoid soft gate on the ratio instead of a hard clip; sequence-mean loss.
+
+    The gate is sharper for negative advantages.
 
     Args:
         tau_pos: gate temperature for positive advantages (``sapo_tau_pos`` in flat GRPO configs).
@@ -134,8 +139,9 @@ class GMPO(Algorithm):
 
 
 class RSPO(Algorithm):
-    """RSPO (Zhang et al. 2025): GMPO times a router-shift weight, for mixture-of-experts policies; the trainer
-    computes the router log-probs the gate needs.
+    """RSPO (Zhang et al. 2025): GMPO times a router-shift weight, for mixture-of-experts policies.
+
+    The trainer computes the router log-probs the gate needs.
 
     Args:
         top_k: experts per token (the model's ``num_experts_per_tok``).
@@ -162,8 +168,10 @@ class RSPO(Algorithm):
 
 
 class VESPO(Algorithm):
-    """VESPO: a smooth weight ``W^k exp(lambda (1 - W))`` of the sequence importance weight ``W`` on the policy
-    gradient (seed 002), token-mean loss as TRL's ``loss_type="vespo"`` normalises it. Defaults are TRL's.
+    """VESPO: a smooth weight of the sequence importance weight on the policy gradient (seed 002).
+
+    The weight is ``W^k exp(lambda (1 - W))`` of the sequence importance weight ``W``; token-mean loss, as TRL's
+    ``loss_type="vespo"`` normalises it. Defaults are TRL's.
 
     Args:
         k_pos, lambda_pos: kernel shape and rate where the sequence advantage is >= 0.
@@ -188,8 +196,10 @@ class VESPO(Algorithm):
 
 
 class DPPO(Algorithm):
-    """DPPO: a trust region on an estimate of the divergence between ``pi`` and ``pi_old`` at each position instead of
-    on the ratio (seed 002's binary and top-k TV/KL masks), token-mean loss (our choice; the seeds give none).
+    """DPPO: a trust region on a divergence estimate between ``pi`` and ``pi_old`` instead of on the ratio.
+
+    The estimate is taken at each position (seed 002's binary and top-k TV/KL masks); token-mean loss (our
+    choice; the seeds give none).
 
     Args:
         mode: ``binary_tv``, ``binary_kl``, ``topk_tv`` or ``topk_kl``.
@@ -214,8 +224,9 @@ class DPPO(Algorithm):
 
 
 class GOPO(Algorithm):
-    """GOPO (group ordinal policy optimisation, seed 002): advantages from each completion's rank in its group,
-    mapped linearly onto ``[-1, 1]``, under PPO's clipped objective; sequence-mean loss as GRPO.
+    """GOPO (group ordinal policy optimisation, seed 002): advantages from each completion's rank in its group.
+
+    The ranks are mapped linearly onto ``[-1, 1]``, under PPO's clipped objective; sequence-mean loss as GRPO.
 
     Args:
         clip_low: lower clip distance (ratio >= 1 - clip_low).
@@ -230,8 +241,9 @@ class GOPO(Algorithm):
 
 
 class DRO(Algorithm):
-    """DRO (direct reward optimisation, Richemond et al. 2024): ``-(A log pi - beta/2 (log pi - log pi_old)^2)`` per
-    token, a quadratic pull towards the sampling policy instead of clipping; token-mean loss.
+    """DRO (direct reward optimisation, Richemond et al. 2024): a quadratic pull towards the sampling policy.
+
+    The per-token loss is ``-(A log pi - beta/2 (log pi - log pi_old)^2)``, instead of clipping; token-mean loss.
 
     Args:
         beta: weight of the quadratic penalty (no default).
