@@ -76,9 +76,15 @@ class ResumeCheckpoint(ModelCheckpoint):
             )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._release(trainer)
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._release(trainer)  # a run that fails (a setting refused at setup, a crash) gets no teardown
+
+    def _release(self, trainer: Trainer) -> None:
         if self._lock is not None and trainer.is_global_zero:
             self._lock.release()
-        super().teardown(trainer, pl_module, stage)
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs

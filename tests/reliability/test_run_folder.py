@@ -54,6 +54,7 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoint_unless_it_resumes_it(tin
     fit(tiny_assets, folder, steps=2)
     with pytest.raises(FileExistsError, match=r"last\.ckpt holds an earlier run's checkpoint.*--ckpt_path last"):
         fit(tiny_assets, folder, steps=3)
+    assert not (folder / RunLock.NAME).exists()  # the refused run gave the folder back
     assert fit(tiny_assets, folder, steps=3, ckpt_path=str(folder / "last.ckpt")).global_step == 3
 
 
