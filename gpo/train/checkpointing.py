@@ -67,40 +67,46 @@ def load_checkpoint_file(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist.")
+    head = _first_bytes(path)
+    if len(head) < len(TORCH_SAVE_MAGIC[0]):  # cut off before its first bytes reached the disk
+        raise _damaged(path, EOFError(f"only {len(head)} bytes"))
+    if not head.startswith(TORCH_SAVE_MAGIC):  # torch.load would read some other files (safetensors) as a dict
+        raise CheckpointError(
+            f"{path} is not a checkpoint: torch.save writes a zip archive (or, before torch 1.6, a pickle), and this "
+            "file is neither. Give the .ckpt file a run wrote (<default_root_dir>/checkpoints/last.ckpt)."
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except PermissionError:
         raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
-        if not _starts_like_torch_save(path):
-            raise CheckpointError(
-                f"{path} is not a checkpoint: torch.save writes a zip archive (or, before torch 1.6, a pickle), and "
-                "this file is neither. Give the .ckpt file a run wrote (<default_root_dir>/checkpoints/last.ckpt)."
-            ) from error
         if "Weights only load failed" in str(error):
             raise CheckpointError(
                 f"checkpoint {path} holds pickled objects other than tensors and plain values, and was not loaded: "
                 "gpo loads checkpoints with torch.load(weights_only=True), so no code stored in a file can run. "
                 "Checkpoints written by gpo never need more; a file that does was made elsewhere or altered."
             ) from error
-        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
-        hint = (
-            f"Use another checkpoint of {path.parent} ({', '.join(others)})"
-            if others
-            else "No other checkpoint is beside it"
-        )
-        raise CheckpointError(
-            f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}; a run "
-            "resumed from this one can also start over once the file is deleted."
-        ) from error
+        raise _damaged(path, error) from error
 
 
-def _starts_like_torch_save(path: Path) -> bool:
-    """Whether ``path`` begins as a ``torch.save`` file does; a file too short to tell (cut off early) counts as one,
-    a damaged one."""
+def _damaged(path: Path, error: BaseException) -> CheckpointError:
+    """The error for a checkpoint file cut off or corrupted, naming the other checkpoints of its folder."""
+    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
+    hint = (
+        f"Use another checkpoint of {path.parent} ({', '.join(others)})"
+        if others
+        else "No other checkpoint is beside it"
+    )
+    return CheckpointError(
+        f"checkpoint {path} is damaged and was not loaded ({type(error).__name__}: {error}). {hint}; a run resumed "
+        "from this one can also start over once the file is deleted."
+    )
+
+
+def _first_bytes(path: Path) -> bytes:
+    """The first bytes of ``path``, as many as ``TORCH_SAVE_MAGIC``'s zip signature (fewer for a shorter file)."""
     with path.open("rb") as file:
-        head = file.read(len(TORCH_SAVE_MAGIC[0]))
-    return len(head) < len(TORCH_SAVE_MAGIC[0]) or head.startswith(TORCH_SAVE_MAGIC)
+        return file.read(len(TORCH_SAVE_MAGIC[0]))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from gpo.callbacks import ResumeCheckpoint
 from gpo.rewards import positional_match
@@ -113,7 +114,12 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such_not_as_damaged_or_unsafe(
     # what torch.load reads is still read: a pickle from before torch 1.6's zip format
     torch.save({"global_step": 3}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
     assert load_checkpoint_file(tmp_path / "legacy.ckpt", weights_only=True) == {"global_step": 3}
+    # safetensors, which torch.load reads as a dict of tensors: not a checkpoint either
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a checkpoint"):
+        load_checkpoint_file(tmp_path / "model.safetensors", weights_only=True)
     # a file cut off before its first bytes reached the disk is damaged, with the other checkpoints named
-    (tmp_path / "last.ckpt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*\(legacy\.ckpt, notes\.ckpt\)"):
-        load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)
+    for cut in (b"", b"PK"):
+        (tmp_path / "last.ckpt").write_bytes(cut)
+        with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*\(legacy\.ckpt, notes\.ckpt\)"):
+            load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)
