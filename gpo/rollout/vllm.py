@@ -161,10 +161,9 @@ class VLLMEngine(RolloutEngine):
             self.llm = LLM(
                 model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
             )
-            # each weight update: the rotary embedding's cache is computed, not loaded, and vLLM puts it back itself
-            drop_messages(
-                "vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights"
-            )
+            # each weight update: a rotary embedding's cache (RotaryEmbedding, Llama3RotaryEmbedding, ...) is computed,
+            # not loaded, and vLLM puts it back itself
+            drop_messages("vllm.model_executor.model_loader.reload.layerwise", r"\w*RotaryEmbedding: Failed to load")
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)
         self.folder = folder
