@@ -44,8 +44,9 @@ class VLLMWeightSync(Callback):
     completion tokens) and raises RuntimeError when the maximum exceeds ``max_logprob_diff``. Float32 engine and
     trainer agree to about 1e-5; bfloat16 differs by up to about 0.3, hence the default. Also logged:
     ``weight_sync/count`` and ``weight_sync/seconds`` (time of the push). A sync's metrics are written to the
-    loggers at the steps that log (``trainer.log_every_n_steps``) and at every verification (the first one, at train
-    start, at step 0), so a row holds a verification exactly when one was made.
+    loggers when it verifies (the first sync, at train start, at step 0) and when it happens at a step that logs
+    (``trainer.log_every_n_steps``), so a row holds a verification exactly when one was made. With an episodic engine
+    (``MultiTurnEngine``) each probe plays an episode: give ``probe_prompts`` the environment accepts as tasks.
 
     What the LightningModule must provide (gpo's ``GPOModule`` does): ``gpo.train.hooks.RolloutSource``'s ``engine``
     (a ``RolloutEngine`` with weights of its own), ``policy`` (the trained model, peft or not) and ``scorer`` (a
@@ -88,7 +89,7 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.sync(trainer, pl_module)
+        self.sync(trainer, pl_module, at_start=True)
 
     @override
     def on_train_batch_end(
@@ -99,8 +100,9 @@ class VLLMWeightSync(Callback):
 
     # ---- the sync and its check -------------------------------------------------------------------------------
 
-    def sync(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Push the policy's weights into the engine now; verify when this sync is due for it."""
+    def sync(self, trainer: Trainer, pl_module: LightningModule, at_start: bool = False) -> None:
+        """Push the policy's weights into the engine now; verify when this sync is due for it. ``at_start``: the sync
+        before the first batch of this process (logged only when it verifies: no batch's logging is due yet)."""
         engine = pl_module.engine
         started = time.perf_counter()
         with full_parameters(trainer.strategy.model or pl_module):
@@ -116,7 +118,7 @@ class VLLMWeightSync(Callback):
             metrics.update(self.verify(pl_module))
         # To the loggers when logging is due, and at each verification: a verification is logged exactly where it
         # happened, and only there.
-        log = bool(verified) or log_due(trainer)
+        log = bool(verified) or (not at_start and log_due(trainer))
         publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=log, progress=())
 
     @torch.no_grad()

@@ -76,7 +76,6 @@ _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _LITERAL = re.compile(r"typing\.Literal\[(.*?)\]")
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]$", re.MULTILINE)  # a union's member types
 _EXPECTED = re.compile(r"Expected a (.*?)(?:\. Got value|$)", re.MULTILINE)
-_CLASS_NAME = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
@@ -183,8 +182,9 @@ def _choices(message: str) -> list[str]:
     block = _innermost_block(message)
     subtypes = _SUBTYPES.search(block)
     listing = subtypes.group(1) if subtypes else " ".join(_EXPECTED.findall(block))
-    classes = _CLASS_NAME.findall(listing)
-    if any(name not in ("bool", "NoneType") for name in classes):
+    classes = _CLASS.findall(listing)
+    generics = re.sub(r"typing\.Literal\[.*?\]|<class '[\w.]+'>", "", listing)  # what is left: list[int], ...
+    if any(name not in ("bool", "NoneType") for name in classes) or re.search(r"\w\[", generics):
         return []
     found = ["true", "false"] if "bool" in classes else []
     for listed in _LITERAL.findall(listing):

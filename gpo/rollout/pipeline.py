@@ -89,7 +89,7 @@ class QueuedEngine(RolloutEngine):
 
     def __init__(self, engine: RolloutEngine, thread: SamplerThread) -> None:
         self.engine, self.thread = engine, thread
-        self.sampling, self.serves_all_ranks = engine.sampling, engine.serves_all_ranks
+        self.sampling, self.serves_all_ranks, self.episodic = engine.sampling, engine.serves_all_ranks, engine.episodic
         self.trained_steps = 0  # training steps taken by the policy (the learner's side)
         self.version = 0  # training steps behind the weights the engine samples from (the sampler's side)
         self.push_s = 0.0  # seconds of weight pushes on the sampler thread, since the last take_push_s

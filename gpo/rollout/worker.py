@@ -52,7 +52,7 @@ class ProcessEngine(RolloutEngine):
             raise ValueError(f"ProcessEngine runs engines that sample from the policy, not {type(engine).__name__}.")
         if threads < 1:
             raise ValueError(f"threads={threads} must be >= 1 (torch threads of the rollout worker).")
-        self.engine, self.threads, self.sampling = engine, threads, engine.sampling
+        self.engine, self.threads, self.sampling, self.episodic = engine, threads, engine.sampling, engine.episodic
         self.policy: PreTrainedModel | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.copy: PreTrainedModel | None = None  # the worker's policy; kept here while the worker maps it

@@ -207,11 +207,11 @@ class GPOModule(RolloutSource, LightningModule):
         trainable, dropped = self._trainable(self.feed.take())
         if trainable is None:
             skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
-            if dropped:  # pipelined: every row of the batch was too stale to train on
+            if dropped:  # pipelined: rows too stale to train on (all of them, unless a hook or a rank skipped too)
                 skipped["pipeline/dropped_stale"] = float(dropped)
                 rank_zero_warn(
-                    f"all {dropped} rows of a training batch were sampled more than model.max_off_policy_steps steps "
-                    "ago and were dropped (pipeline/dropped_stale). With VLLMWeightSync(weight_sync_interval > 1) "
+                    f"{dropped} rows sampled more than model.max_off_policy_steps steps ago were dropped "
+                    "(pipeline/dropped_stale), and the step was skipped. With VLLMWeightSync(weight_sync_interval > 1) "
                     "the engine's weights are older still: raise model.max_off_policy_steps, or sync every step."
                 )
             publish(self.trainer, {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}, log=True)

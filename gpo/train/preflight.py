@@ -299,9 +299,10 @@ def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequen
 
     if not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks):
         log.warning(
-            "model.engine holds its own copy of the weights and trainer.callbacks has no VLLMWeightSync: it will "
-            "sample from the initial policy for the whole run while the trainer's policy moves. Add "
-            "gpo.callbacks.VLLMWeightSync to trainer.callbacks (configs/quickstart_vllm.yaml shows how)."
+            "model.engine holds its own copy of the weights and trainer.callbacks has no VLLMWeightSync: unless "
+            "something else updates them, it samples from the initial policy for the whole run while the trainer's "
+            "policy moves. Add gpo.callbacks.VLLMWeightSync to trainer.callbacks (configs/quickstart_vllm.yaml shows "
+            "how)."
         )
 
 
@@ -330,7 +331,7 @@ def check_run(module, trainer) -> None:
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
     if trainer is not None:
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero:
             warn_if_sampler_never_synced(module.learner.sampler_shares_weights, trainer.callbacks)
         check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy), module.model.dtype)
         fsdp.check_strategy(trainer.strategy)

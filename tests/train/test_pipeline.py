@@ -208,7 +208,7 @@ def test_a_batch_whose_rows_are_all_too_stale_is_skipped_counted_and_warned_abou
 
     monkeypatch.setattr(RolloutPipeline, "within_bound", all_stale_once)
     logged = Logged()
-    with pytest.warns(UserWarning, match=r"all 64 rows of a training batch .* raise model.max_off_policy_steps"):
+    with pytest.warns(UserWarning, match=r"64 rows sampled more than .* skipped.* raise model.max_off_policy_steps"):
         fit(workspace, 3, 1, logged)
     dropped = [row.get("pipeline/dropped_stale") for row in logged.rows]
     # batch 0 fills the pipeline, batch 1 trains, batch 2's rows are all dropped: skipped, then steps 2 and 3 train

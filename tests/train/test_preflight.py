@@ -122,7 +122,7 @@ def test_an_engine_with_its_own_weights_and_no_weight_sync_warns_when_training_s
     warn_if_sampler_never_synced(False, [VLLMWeightSync()])
     assert "VLLMWeightSync" not in caplog.text
     warn_if_sampler_never_synced(False, [])
-    assert "will sample from the initial policy for the whole run" in caplog.text
+    assert "it samples from the initial policy for the whole run" in caplog.text
 
 
 def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):

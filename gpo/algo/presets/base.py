@@ -57,8 +57,8 @@ class Custom(Algorithm):
 class PPOClip:
     """PPO ratio clipping layered on a preset of the policy-gradient family (GRPO, RLOO, REINFORCE++, Dr. GRPO).
 
-    Also MaxRL. It is ``use_ppo_clip`` with its ``clip_low`` / ``clip_high`` in flat GRPO configs, recommended
-    with several updates per rollout.
+    MaxRL takes it too. It is ``use_ppo_clip`` with its ``clip_low`` / ``clip_high`` in flat GRPO configs,
+    recommended with several updates per rollout.
 
     Args:
         clip_low: lower clip distance (ratio >= 1 - clip_low).

@@ -109,7 +109,7 @@ class DrGRPO(Algorithm):
 class MaxRL(Algorithm):
     """MaxRL (maximum-likelihood RL, arXiv 2602.02710): GRPO with the centred reward divided by the group mean.
 
-    prime-rl's ``max_rl``. Dividing by the mean instead of the std weighs a rare success like ``1 / pass rate``.
+    It is prime-rl's ``max_rl``. Dividing by the mean instead of the std weighs a rare success like ``1 / pass rate``.
 
     Args:
         eps: a group mean reward at or below ``eps`` gives zero advantage.
