@@ -14,7 +14,9 @@ ExportMode = Literal["merged", "adapter"]
 
 
 class ExportPolicy(Callback):
-    """When training ends, writes the policy and its tokenizer to ``<log dir>/export`` (or ``folder``) with
+    """Writes the trained policy and its tokenizer to a folder when training ends.
+
+    When training ends, writes the policy and its tokenizer to ``<log dir>/export`` (or ``folder``) with
     ``save_pretrained``: a folder that transformers and vLLM load. A LoRA policy is saved merged into its base
     weights (``merged``: a plain model folder) or as the adapter alone (``adapter``: load it with peft on top of the
     base model); the trained model itself is left untouched. The folder appears whole or not at all.

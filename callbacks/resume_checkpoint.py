@@ -16,7 +16,9 @@ SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what shells and schedulers report for 
 
 
 class ResumeCheckpoint(ModelCheckpoint):
-    """Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimiser steps, after the last step, and when the
+    """Keeps ``<dirpath>/last.ckpt`` current, so a run can always be resumed.
+
+    Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimiser steps, after the last step, and when the
     process receives SIGTERM; ``--ckpt_path last`` then continues the run exactly (see docs/reliability.md).
 
     On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising

@@ -17,7 +17,9 @@ REDRAW_INTERVAL_S = 0.1
 
 
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, counting optimiser steps (``trainer.global_step``) out of ``trainer.max_steps`` over the
+    """A progress bar that counts optimiser steps towards ``trainer.max_steps``.
+
+    Lightning's tqdm bar, counting optimiser steps (``trainer.global_step``) out of ``trainer.max_steps`` over the
     whole run when ``max_steps`` is set (``Epoch 2, step: 15%|...| 152/1000``).
 
     Lightning's own bar counts the batches of the current epoch, and for a run bounded by ``max_steps`` alone caps

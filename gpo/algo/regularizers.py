@@ -127,7 +127,9 @@ class KLPenalty:
 
 
 class AdaptiveEntropy:
-    """Adaptive entropy control (Skywork-OR1, He et al. 2025; TRL's ``use_adaptive_entropy``): the entropy
+    """Adaptive entropy control (Skywork-OR1): an entropy coefficient steered towards a target.
+
+    Adaptive entropy control (Skywork-OR1, He et al. 2025; TRL's ``use_adaptive_entropy``): the entropy
     coefficient climbs while the policy's entropy is at or below a target and falls back above it.
 
     After each RL step with mean token entropy ``H`` (``update``):

@@ -10,7 +10,9 @@ from torch import Tensor
 
 
 class TokenWeight(ABC):
-    """A factor ``w[B, T]`` on each token's advantage, computed once per step from what the step knows (no
+    """A factor on each token's advantage, computed once per step.
+
+    A factor ``w[B, T]`` on each token's advantage, computed once per step from what the step knows (no
     gradient): ``A'_t = w_t A_t``.
 
     A weight that only keeps or drops tokens (``drops_tokens``: ``w`` is 0 or 1) acts on the loss mask instead, so
@@ -28,7 +30,9 @@ class TokenWeight(ABC):
 
 
 class OverlongFilter(TokenWeight):
-    """DAPO's overlong filtering (Yu et al. 2025): completions that hit the length limit without EOS leave the
+    """DAPO's overlong filtering: completions cut at the length limit are left out of the loss.
+
+    DAPO's overlong filtering (Yu et al. 2025): completions that hit the length limit without EOS leave the
     loss, so a policy is not punished for an answer it was not allowed to finish.
 
     ``w_i = 0`` for a truncated completion, 1 otherwise; a dropping weight, so truncated completions also leave the
@@ -43,7 +47,9 @@ class OverlongFilter(TokenWeight):
 
 
 class ReferenceProbWeight(TokenWeight):
-    """Scale each token's advantage by ``1 - pi_ref(o_t)``: tokens the reference model already predicts
+    """Each token's advantage scaled by ``1 - pi_ref(o_t)``.
+
+    Scale each token's advantage by ``1 - pi_ref(o_t)``: tokens the reference model already predicts
     confidently carry little of the update, uncertain ones carry most of it.
 
     ``A'_t = A_t (1 - pi_ref(o_t))``. This is the token weighting some texts (seed 002) attribute to

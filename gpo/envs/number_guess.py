@@ -11,7 +11,9 @@ NUMBER = re.compile(r"-?\d+")
 
 
 class NumberGuess(Environment):
-    """The secret is drawn uniformly from ``[low, high]`` by ``seed``; each turn the first integer in the action is
+    """A number-guessing game with higher / lower feedback, small enough for a tiny model.
+
+    The secret is drawn uniformly from ``[low, high]`` by ``seed``; each turn the first integer in the action is
     the guess. A right guess ends the episode with reward ``win_reward``; otherwise the observation says
     ``higher``, ``lower`` or ``invalid`` (no integer in the action) and the reward is 0. Bisection wins within
     ``ceil(log2(high - low + 2))`` turns; small enough for a tiny model to learn on a CPU.

@@ -32,7 +32,9 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
-    """FSDP2 (``torch.distributed.fsdp.fully_shard``) over all processes: each transformer block of the policy is
+    """FSDP2 over all processes, each transformer block sharded on its own.
+
+    FSDP2 (``torch.distributed.fsdp.fully_shard``) over all processes: each transformer block of the policy is
     one shard unit (gathered for its forward and backward, resharded after), the rest (embeddings, final norm,
     head) is the root unit. Parameters, gradients and optimiser state are sharded; checkpoints are folders with
     one shard per process (``torch.distributed.checkpoint``), resumed by the same strategy on the same number of

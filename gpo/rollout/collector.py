@@ -28,7 +28,9 @@ class CollectionStats:
 
 
 class Collector:
-    """Samples ``group_size`` completions per prompt with the engine, decodes them, attaches the dataset's fields,
+    """Samples, decodes and scores the completions of a batch of prompts.
+
+    Samples ``group_size`` completions per prompt with the engine, decodes them, attaches the dataset's fields,
     runs the reward functions (with their timeouts and error policy) and mixes their scores into one reward.
 
     It needs no Trainer: the step index (``begin_step``) and the prompts it may draw beyond the step's own

@@ -27,7 +27,9 @@ class VLLMServerError(ServiceError):
 
 
 class VLLMServers:
-    """One or more vLLM OpenAI-compatible servers, reached over HTTP (``VLLMServerEngine`` samples from them,
+    """One or more vLLM OpenAI-compatible servers, reached over HTTP.
+
+    One or more vLLM OpenAI-compatible servers, reached over HTTP (``VLLMServerEngine`` samples from them,
     ``ServerTeacher`` scores with them).
 
     Failures: connection errors, timeouts and HTTP 408/429/5xx are retried with exponential backoff (from

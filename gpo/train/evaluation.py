@@ -18,7 +18,9 @@ from gpo.seeds import stream_seed
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often; the
+    """Held-out evaluation settings, run by Lightning's validation loop.
+
+    Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often; the
     final policy: ``gpo validate --config ... --ckpt_path last``).
 
     Each prompt gets one greedy completion and, for each of ``seeds``, ``samples`` (k) sampled ones at the

@@ -1,7 +1,5 @@
 """Presets: the parts each one builds, the seed's defaults, its own settings, and the combinations it refuses."""
 
-import inspect
-
 import pytest
 
 from gpo.algo import (
@@ -190,11 +188,3 @@ def test_every_preset_class_is_listed_and_every_defaulted_one_has_a_name():
     }
     assert set(ALGORITHMS.values()) == defaulted
     assert all(name == cls.__name__.lower() or cls in (ReinforcePP, DrGRPO) for name, cls in ALGORITHMS.items())
-
-
-@pytest.mark.parametrize("algorithm", [*PRESETS, Custom, PPOClip], ids=lambda algorithm: algorithm.__name__)
-def test_each_presets_help_title_is_a_whole_sentence(algorithm):
-    """``gpo fit --model.algorithm.help NAME`` titles the settings with the docstring's first line alone: it must be
-    a sentence of its own, not the start of one."""
-    lines = inspect.getdoc(algorithm).splitlines()
-    assert lines[0].endswith(".") and (len(lines) == 1 or not lines[1]), lines[:2]
