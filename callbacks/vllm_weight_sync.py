@@ -21,8 +21,8 @@ DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "
 class VLLMWeightSync(Callback):
     """Keeps a rollout engine's own copy of the weights in step with the policy, and checks it.
 
-    Keeps a rollout engine that holds its own copy of the weights (``VLLMEngine``, ``VLLMServerEngine``) in step
-    with the policy being trained, and verifies now and then that engine and trainer give the same log-probs.
+    The engines that hold their own copy are ``VLLMEngine`` and ``VLLMServerEngine``; the check
+    verifies now and then that engine and trainer give the same log-probs.
 
     When: once at the start of training (the engine starts from the checkpoint on disk, the policy may have been
     resumed), then at the end of each training batch after which ``weight_sync_interval`` or more optimiser steps

@@ -88,7 +88,7 @@ class SequenceSum(LossAggregator):
 class ConstantNorm(LossAggregator):
     """Dr. GRPO's aggregation: the token sum over a constant, not over the token count.
 
-    Token sum over a constant: ``sum_{i,t} l_{i,t} / (num_samples * max_length)`` (Dr. GRPO's
+    The loss is ``sum_{i,t} l_{i,t} / (num_samples * max_length)`` (Dr. GRPO's
     ``token_sum_norm``).
 
     The divisor depends on neither the lengths nor the mask, which removes the length bias of a per-sequence

@@ -14,7 +14,7 @@ from gpo.algo.masked import masked_mean
 class TeacherKL:
     """On-policy distillation: the per-token reverse KL to a teacher, added to the advantage.
 
-    On-policy distillation: the per-token reverse KL to a teacher, ``KL(pi || pi_teacher)``, as a penalty on the
+    The KL, ``KL(pi || pi_teacher)`` per token, acts as a penalty on the
     advantage, or as the whole advantage.
 
     ``k_t = sg(log pi(o_t) - log pi_teacher(o_t))`` is the sampled-token estimate of the reverse KL at position

@@ -46,7 +46,7 @@ class TokenMask(ABC):
 class OffPolicySequenceMask(TokenMask):
     """DeepSeek-V3.2's off-policy sequence mask for negative-advantage completions.
 
-    DeepSeek-V3.2's off-policy sequence masking: drop the negative-advantage tokens of completions the current
+    It drops the negative-advantage tokens of completions the current
     policy has moved far away from (TRL's ``off_policy_mask_threshold``).
 
     ``M_{i,t} = 0`` if ``A_{i,t} < 0`` and ``(1/|o_i|) sum_t log(pi_old(o_t) / pi(o_t)) > threshold``, else 1: the
@@ -82,7 +82,7 @@ class OffPolicySequenceMask(TokenMask):
 class SecondMomentMask(TokenMask):
     """M2PO (Zheng et al. 2025): the most extreme tokens masked until the log-ratio's second moment is bounded.
 
-    M2PO (Zheng et al. 2025; AReaL's ``m2_threshold``): drop the tokens with the most extreme log-ratio until
+    AReaL calls it ``m2_threshold``. The tokens dropped are those with the most extreme log-ratio until
     the second moment of the log-ratio over the kept tokens is at most ``bound``.
 
     With ``d_t = log pi_train(o_t) - log pi_rollout(o_t)`` over the step's real tokens, sorted by ``d_t^2``
@@ -130,7 +130,7 @@ class SecondMomentMask(TokenMask):
 class MismatchBandMask(TokenMask):
     """IcePop's mask: tokens whose engine-vs-trainer ratio leaves a band are left out of the loss.
 
-    IcePop-style two-sided masking of engine-vs-trainer mismatch (Ring-1T, arXiv 2510.18855): keep a token only
+    The masking is two-sided (Ring-1T, arXiv 2510.18855): a token is kept only
     if the trainer and the engine roughly agree on it.
 
     ``k_t = pi_train(o_t) / pi_rollout(o_t)`` (the trainer's policy before the step's first update over the
@@ -163,8 +163,8 @@ class MismatchBandMask(TokenMask):
 class HighEntropyMask(TokenMask):
     """Train only on the highest-entropy tokens ("Beyond the 80/20 rule", Wang et al. 2025).
 
-    Train only on the highest-entropy tokens ("Beyond the 80/20 rule", Wang et al. 2025; TRL's
-    ``top_entropy_quantile``): the forks of a reasoning path, where the policy is undecided.
+    TRL calls it ``top_entropy_quantile``. The tokens kept are the forks of a reasoning path, where the policy is
+    undecided.
 
     ``keep_t = H_t >= q``, ``q`` the ``(1 - quantile)``-quantile (linear interpolation, ``torch.quantile``) of the
     token entropies ``H`` over the real tokens of the micro-batch on this process (TRL: the micro-batch, gathered

@@ -77,8 +77,7 @@ class GroupNormalizedSum(RewardMixer):
 class EnvEventOutcomeBlend(WeightedSum):
     """A blend of environment, event (per-step judge) and outcome (episode judge) rewards.
 
-    Blend of environment, event (per-step judge) and outcome (episode judge) rewards, as hosted RL
-    services configure it: ``r = w_env s_env + w_event s_event + w_outcome s_outcome``.
+    As hosted RL services configure it: ``r = w_env s_env + w_event s_event + w_outcome s_outcome``.
 
     Expects exactly three score columns in the order env, event, outcome.
 

@@ -129,7 +129,7 @@ class KLPenalty:
 class AdaptiveEntropy:
     """Adaptive entropy control (Skywork-OR1): an entropy coefficient steered towards a target.
 
-    Adaptive entropy control (Skywork-OR1, He et al. 2025; TRL's ``use_adaptive_entropy``): the entropy
+    Skywork-OR1 is He et al. 2025; TRL calls it ``use_adaptive_entropy``. The entropy
     coefficient climbs while the policy's entropy is at or below a target and falls back above it.
 
     After each RL step with mean token entropy ``H`` (``update``):

@@ -54,7 +54,7 @@ def spread_over_tokens(per_turn: Tensor, turn_index: Tensor) -> Tensor:
 class StepRewards:
     """Per-turn advantages from the step rewards of multi-turn episodes.
 
-    Per-turn advantages of multi-turn step rewards (seed 004's ``step_rewards_mode`` / ``step_rewards_beta``),
+    They follow seed 004's ``step_rewards_mode`` / ``step_rewards_beta``, and are
     added to every policy token of turn ``k`` on top of the sequence advantage:
 
     ``A_{i,t} += beta * (c_{i,k(t)} - mean over the turns taken in i's group of c)``, with the credit ``c`` of

@@ -32,7 +32,7 @@ class TokenWeight(ABC):
 class OverlongFilter(TokenWeight):
     """DAPO's overlong filtering: completions cut at the length limit are left out of the loss.
 
-    DAPO's overlong filtering (Yu et al. 2025): completions that hit the length limit without EOS leave the
+    DAPO is Yu et al. 2025. Completions that hit the length limit without EOS leave the
     loss, so a policy is not punished for an answer it was not allowed to finish.
 
     ``w_i = 0`` for a truncated completion, 1 otherwise; a dropping weight, so truncated completions also leave the

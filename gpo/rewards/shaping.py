@@ -13,7 +13,7 @@ from gpo.rewards.builtin import column
 class SoftOverlongPunishment:
     """DAPO's soft overlong punishment: a length penalty that ramps up near the limit.
 
-    DAPO's soft overlong punishment (Yu et al. 2025): a length penalty that ramps up over the last
+    DAPO is Yu et al. 2025. The penalty ramps up over the last
     ``cache_length`` tokens of the budget.
 
     ``R(|y|) = 0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if

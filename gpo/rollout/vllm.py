@@ -78,8 +78,8 @@ def isolated_from_trainer(*, threads: int, eager: bool) -> Iterator[None]:
 class VLLMEngine(RolloutEngine):
     """Sampling with a vLLM engine in the trainer's process, with its own copy of the weights.
 
-    Sampling with a vLLM engine that lives in the trainer's process (colocated) and holds its own copy of the
-    weights; ``update_weights`` replaces them in place (``gpo.callbacks.VLLMWeightSync`` does it during training).
+    The engine is colocated with the trainer; ``update_weights`` replaces its weights in place
+    (``gpo.callbacks.VLLMWeightSync`` does it during training).
 
     Log-probs: vLLM runs with ``logprobs_mode="processed_logprobs"``, so ``logp`` is ``log softmax(z / T)`` of the
     sampled token at the sampling temperature ``T``, the quantity the trainer computes (vLLM's default, raw

@@ -29,8 +29,7 @@ class VLLMServerError(ServiceError):
 class VLLMServers:
     """One or more vLLM OpenAI-compatible servers, reached over HTTP.
 
-    One or more vLLM OpenAI-compatible servers, reached over HTTP (``VLLMServerEngine`` samples from them,
-    ``ServerTeacher`` scores with them).
+    ``VLLMServerEngine`` samples from them, ``ServerTeacher`` scores with them.
 
     Failures: connection errors, timeouts and HTTP 408/429/5xx are retried with exponential backoff (from
     ``retry_backoff_s``, doubled up to 8 s) for at most ``retry_max_s`` after the first failure; then

@@ -27,7 +27,7 @@ NEUTRAL_SERVER_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "
 class VLLMServerEngine(RolloutEngine):
     """Sampling from running vLLM OpenAI-compatible servers.
 
-    Sampling from running vLLM OpenAI-compatible servers: ``POST /v1/completions`` with the prompt's token ids,
+    Each request is ``POST /v1/completions`` with the prompt's token ids,
     ``n`` samples, a seed per prompt, the sampled tokens' log-probs and their token ids (``return_token_ids``);
     one request per prompt, sent concurrently so each server batches them.
 

@@ -20,7 +20,7 @@ from gpo.seeds import stream_seed
 class Evaluation:
     """Held-out evaluation settings, run by Lightning's validation loop.
 
-    Held-out evaluation, run by Lightning's validation loop (``trainer.val_check_interval`` sets how often; the
+    ``trainer.val_check_interval`` sets how often (the
     final policy: ``gpo validate --config ... --ckpt_path last``).
 
     Each prompt gets one greedy completion and, for each of ``seeds``, ``samples`` (k) sampled ones at the

@@ -33,7 +33,7 @@ def _with_rest(probs: Tensor) -> Tensor:
 class DivergenceMaskGate(RatioGate):
     """DPPO's gate: a token's gradient is dropped where the divergence estimate is too large.
 
-    DPPO: drop a token's gradient when the estimated divergence between ``pi`` and ``pi_old`` at its
+    A token's gradient is dropped when the estimated divergence between ``pi`` and ``pi_old`` at its
     position exceeds ``threshold`` and the update would push it further.
 
     ``loss_t = -A_t r_t M_t`` with ``M_t = 0`` if ``D_t > threshold`` and ``sign(r_t - 1) = sign(A_t)``, else 1
