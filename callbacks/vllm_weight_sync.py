@@ -115,12 +115,12 @@ class VLLMWeightSync(Callback):
             trainer.strategy.barrier("vllm_weight_sync")
         self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
         metrics = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
-        verified = self.verify_every_k and (self.syncs - 1) % self.verify_every_k == 0
+        verified = self.verify_every_k > 0 and (self.syncs - 1) % self.verify_every_k == 0
         if verified:
             metrics.update(self.verify(pl_module))
         # To the loggers when logging is due, and at each verification: a verification is logged exactly where it
         # happened, and only there.
-        log = bool(verified) or (not at_start and log_due(trainer))
+        log = verified or (not at_start and log_due(trainer))
         publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=log, progress=())
 
     @torch.no_grad()
