@@ -220,6 +220,8 @@ class GPOModule(RolloutSource, LightningModule):
         step, step_adv, adv = self.credit(rollout, mask)
         metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))
         metrics |= self.feed.trained(self.model, rollout, dropped, self.device)
+        zero = torch.zeros((), device=self.device)  # a skipped step's keys, back to 0: callbacks read the last value
+        metrics |= {"rollout/skipped": zero, "train/empty_loss_streak": zero}
         scoring_s = collected - started - (self.collector.stats.rollout_s if self.feed.samples_on_trainer else 0.0)
         publish_step(self.trainer, self.collector, rollout, step, step_adv, metrics,
                      scoring_s=scoring_s, training_s=time.perf_counter() - collected)  # fmt: skip

@@ -225,6 +225,34 @@ def test_a_step_with_every_completion_dropped_from_the_loss_is_skipped_counted_a
     assert "for 5 steps in a row" in warning and "OverlongFilter" in warning and "max_new_tokens" in warning
 
 
+class SkipState(L.Callback):
+    """``rollout/skipped`` and ``train/empty_loss_streak`` as callbacks read them after each batch."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        keys = ("rollout/skipped", "train/empty_loss_streak")
+        self.rows.append(tuple(float(trainer.callback_metrics[key]) for key in keys))
+
+
+def test_a_trained_step_after_a_skipped_one_reads_as_not_skipped(workspace, monkeypatch):
+    """Callbacks read a key's last published value: the steps after a skipped one must say they trained."""
+    from gpo.train.learner import Learner
+
+    real, calls = Learner.has_loss_tokens, []
+
+    def empty_twice(self, mask, step):  # batches 1 and 2 keep no token in the loss
+        calls.append(step)
+        return real(self, mask * 0 if len(calls) in (2, 3) else mask, step)
+
+    monkeypatch.setattr(Learner, "has_loss_tokens", empty_twice)
+    model, data = workspace
+    state = SkipState()
+    quiet_trainer(3, [state]).fit(tiny_module(model), prompts(model, data))
+    assert state.rows == [(0.0, 0.0), (1.0, 1.0), (1.0, 2.0), (0.0, 0.0), (0.0, 0.0)]
+
+
 def test_the_headline_reward_is_the_weighted_sum_of_the_rewards_whatever_the_mixer(workspace):
     from gpo.algo import GroupNormalizedSum
 
