@@ -43,7 +43,8 @@ class CompletionSamples(RolloutCallback):
     saved in checkpoints (``state_dict``).
 
     Args:
-        every_n_steps: show samples on the first step and every this many steps after.
+        every_n_steps: show samples on the first step and every this many steps after (a step whose rollout is
+            empty, skipped, passes its turn to the next one).
         num_samples: completions shown each time (at most two per group: its best and its worst).
         max_chars: longest prompt or completion shown, in characters (None: no limit).
     """
@@ -56,16 +57,18 @@ class CompletionSamples(RolloutCallback):
         if max_chars is not None and max_chars < 1:
             raise ValueError(f"max_chars={max_chars} must be >= 1, or None for no limit.")
         self.every_n_steps, self.num_samples, self.max_chars = every_n_steps, num_samples, max_chars
-        self.rollouts_seen = 0
+        self.rollouts_seen, self.owed = 0, False
 
     @override
     def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:
-        due = self.rollouts_seen % self.every_n_steps == 0
+        # a due sample whose rollout is empty (a skipped step) waits for the next rollout with rows
+        self.owed = self.owed or self.rollouts_seen % self.every_n_steps == 0
         self.rollouts_seen += 1
-        if not due or len(rollout) == 0:
+        if not self.owed or len(rollout) == 0:
             return
-        if rollout.reward is None or len(rollout.completions) != len(rollout):
+        if rollout.reward is None or not len(rollout.prompts) == len(rollout.completions) == len(rollout):
             raise ValueError("CompletionSamples needs a scored rollout with texts (reward, prompts, completions).")
+        self.owed = False
         folder = Path(trainer.log_dir or trainer.default_root_dir) / "samples"  # log_dir: call on every process
         if not trainer.is_global_zero:
             return
@@ -105,11 +108,11 @@ class CompletionSamples(RolloutCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rollouts_seen": self.rollouts_seen}
+        return {"rollouts_seen": self.rollouts_seen, "owed": self.owed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rollouts_seen = int(state_dict["rollouts_seen"])
+        self.rollouts_seen, self.owed = int(state_dict["rollouts_seen"]), bool(state_dict.get("owed", False))
 
 
 def to_markdown(step: int, rows: list[list[Any]]) -> str:

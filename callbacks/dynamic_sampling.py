@@ -71,8 +71,8 @@ class DynamicSampling(RolloutCallback):
         atol: rewards of a group count as all equal when ``max - min <= atol``. The default 1e-6 is the ``eps`` of
             gpo's ``GroupNormAdvantage`` (a group std at or below it gets zero advantage): rewards that differ only
             by float rounding count as equal. 0 demands exactly equal rewards.
-        on_exhausted: ``train`` on the informative groups held (with a warning) or ``skip`` the step when
-            ``max_rounds`` runs out before ``num_groups`` are found.
+        on_exhausted: ``train`` on the informative groups held or ``skip`` the step when ``max_rounds`` runs out
+            before ``num_groups`` are found (the first such step is warned about; all are counted in ``exhausted``).
     """
 
     def __init__(
@@ -94,11 +94,12 @@ class DynamicSampling(RolloutCallback):
         self.num_groups, self.max_rounds, self.atol, self.on_exhausted = num_groups, max_rounds, atol, on_exhausted
         self.totals = dict.fromkeys(TOTALS, 0)
         self.batch_values = BatchValues()
+        self.warned = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.max_rounds:
-            require_source(self, pl_module, "draw_rollout() to draw more groups (max_rounds=0 only filters)")
+            require_source(self, pl_module, ("draw_rollout",), " to draw more groups (max_rounds=0 only filters)")
         if self.num_groups is not None and self.num_groups % trainer.world_size:
             raise ValueError(
                 f"DynamicSampling num_groups={self.num_groups} is global: it must split evenly over the "
@@ -130,12 +131,14 @@ class DynamicSampling(RolloutCallback):
         skip = exhausted and (self.on_exhausted == "skip" or held == 0)
         maxima = {"rounds": rounds, "exhausted": exhausted, "skip": skip}  # one process skipping skips all
         step = _over_ranks({**count, "held": held, "target": target}, maxima, pl_module)
-        if step["exhausted"]:
+        if step["exhausted"] and not self.warned:  # once: a filter that runs out often would warn every step
+            self.warned = True
             action = "skipping the step" if step["skip"] else f"training on {step['held']}"
             rank_zero_warn(
                 f"DynamicSampling: step {trainer.global_step}: {step['held']} of {step['target']} informative groups "
                 f"after {step['rounds']} extra rounds ({step['groups_drawn']} groups drawn, {step['groups_dropped']} "
-                f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step."
+                f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step. Later steps "
+                "that run out are not warned about: dynamic_sampling/exhausted counts them."
             )
         logged = {key: step[key] for key in (*count, "rounds", "exhausted")}
         self._log({**logged, "groups_kept": 0 if step["skip"] else step["held"]})

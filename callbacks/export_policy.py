@@ -40,7 +40,7 @@ class ExportPolicy(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         from gpo.parallel.fsdp import is_sharded
 
-        require_source(self, pl_module, "policy and tokenizer")
+        require_source(self, pl_module, ("policy", "tokenizer"))
         if is_sharded(trainer.strategy):
             raise ValueError(
                 "exporting under FSDP is not supported yet (the policy is sharded over the processes): set "

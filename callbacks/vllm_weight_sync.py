@@ -87,7 +87,7 @@ class VLLMWeightSync(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        require_source(self, pl_module, "engine, policy, scorer and tokenizer")
+        require_source(self, pl_module, ("engine", "policy", "scorer", "tokenizer"))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -141,6 +141,14 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
     mask), group ids renumbered so groups of different parts stay distinct."""
     if len(rollouts) == 1:
         return rollouts[0]
+    keys = rollouts[0].fields.keys()
+    for index, rollout in enumerate(rollouts[1:], 1):
+        if rollout.fields.keys() != keys:
+            raise ValueError(
+                f"rollouts joined into one must carry the same dataset fields: the first has {sorted(keys)}, part "
+                f"{index} has {sorted(rollout.fields)} (a rollout drawn by RolloutSource.draw_rollout must carry "
+                "the step's fields)."
+            )
     width_p = max(r.prompt_ids.shape[1] for r in rollouts)
     width_t = max(r.completion_ids.shape[1] for r in rollouts)
     max_turns = max(0 if r.turn_rewards is None else r.turn_rewards.shape[1] for r in rollouts)
@@ -162,7 +170,6 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
             return None
         return torch.cat([pad(p) if pad else p for p in parts])
 
-    keys = rollouts[0].fields.keys()
     return Rollout(
         prompt_ids=torch.cat([left(r.prompt_ids) for r in rollouts]),
         prompt_mask=torch.cat([left(r.prompt_mask) for r in rollouts]),

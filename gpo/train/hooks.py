@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.suggest import did_you_mean
@@ -29,8 +30,14 @@ class RolloutCallback(Callback):
     """A Lightning ``Callback`` with gpo's two extra hooks, as no-ops to override (mark them ``@override``).
 
     A subclass method named ``on_...`` that is none of Lightning's hooks nor these two is refused when the class is
-    defined: a misspelt hook would otherwise never run.
+    defined: a misspelt hook would otherwise never run. A module that never runs a hook the subclass overrides (its
+    ``training_step`` lacks the ``run_*_hooks`` call) is warned about once, ``HOOK_CHECK_BATCHES`` batches into the
+    fit; a subclass that overrides ``on_train_batch_start`` calls ``super().on_train_batch_start(...)`` to keep that.
     """
+
+    # class defaults: a subclass need not call __init__; run_prompt_hooks and run_rollout_hooks record the hooks run
+    _hooks_ran: frozenset[str] = frozenset()
+    _batches_started = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -41,6 +48,18 @@ class RolloutCallback(Callback):
                 hint = f"; {guess}" if guess else f"; the rollout hooks are {ROLLOUT_HOOKS}."
                 raise TypeError(f"{cls.__name__}.{name} is not a hook of Lightning's Callback or RolloutCallback{hint}")
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batches_started += 1
+        if self._batches_started != HOOK_CHECK_BATCHES + 1:
+            return
+        for name, call in HOOK_CALLS.items():
+            overridden = getattr(type(self), name) is not getattr(RolloutCallback, name)
+            if overridden and name not in self._hooks_ran:
+                rank_zero_warn(
+                    f"{type(self).__name__}.{name} has not run in {HOOK_CHECK_BATCHES} training batches, so it does "
+                    f"nothing: {type(pl_module).__name__}.training_step must call {call} (GPOModule does)."
+                )
+
     def on_prompts(self, trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any] | None:
         """Before sampling: return a filtered batch of prompts (same keys), or None to keep ``batch``."""
 
@@ -49,13 +68,21 @@ class RolloutCallback(Callback):
         empty one skips the step), or None to keep ``rollout``."""
 
 
-ROLLOUT_HOOKS = ("on_prompts", "on_rollout_end")
+#: The call in a module's ``training_step`` that runs each hook.
+HOOK_CALLS = {
+    "on_prompts": "gpo.train.hooks.run_prompt_hooks(trainer, module, batch) before sampling",
+    "on_rollout_end": "gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring",
+}
+ROLLOUT_HOOKS = tuple(HOOK_CALLS)
+#: Training batches after which a rollout hook that never ran is warned about (pipelined runs fill for fewer).
+HOOK_CHECK_BATCHES = 10
 
 
 def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any]:
     """``on_prompts`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's batch."""
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):
+            callback._hooks_ran |= {"on_prompts"}
             filtered = callback.on_prompts(trainer, pl_module, batch)
             batch = batch if filtered is None else filtered
     return batch
@@ -66,6 +93,7 @@ def run_rollout_hooks(trainer: Trainer, pl_module: LightningModule, rollout: Rol
     rollout. The result may be empty (test ``len(rollout) == 0``): then skip the step."""
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):
+            callback._hooks_ran |= {"on_rollout_end"}
             replaced = callback.on_rollout_end(trainer, pl_module, rollout)
             rollout = rollout if replaced is None else replaced
     return rollout
@@ -98,10 +126,14 @@ class RolloutSource:
         )
 
 
-def require_source(callback: Callback, pl_module: LightningModule, reads: str) -> None:
-    """Refuse, when a callback is set up, a module that does not declare what the callback ``reads``."""
-    if not isinstance(pl_module, RolloutSource):
+def require_source(callback: Callback, pl_module: LightningModule, reads: tuple[str, ...], purpose: str = "") -> None:
+    """Refuse, when a callback is set up, a module that does not declare ``RolloutSource`` or has not set the members
+    the callback ``reads`` of it (``purpose``: what for, in the message)."""
+    declared = isinstance(pl_module, RolloutSource)
+    missing = [name for name in reads if not hasattr(pl_module, name)] if declared else list(reads)
+    if missing:
+        module, fix = type(pl_module).__name__, "set them" if declared else "mix gpo.train.hooks.RolloutSource into it"
+        state = f"has not set {', '.join(missing)}" if declared else "does not declare them"
         raise TypeError(
-            f"{type(callback).__name__} reads the module's {reads}, which {type(pl_module).__name__} does not declare: "
-            "mix gpo.train.hooks.RolloutSource into it and set them."
+            f"{type(callback).__name__} reads the module's {', '.join(reads)}{purpose}, and {module} {state}: {fix}."
         )

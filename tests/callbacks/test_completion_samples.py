@@ -136,7 +136,28 @@ def test_state_dict_round_trip(tmp_path):
         samples.on_rollout_end(fake_trainer(tmp_path), None, make_rollout(*ROLLOUT))
     restored = CompletionSamples(every_n_steps=3)
     restored.load_state_dict(samples.state_dict())
-    assert restored.state_dict() == {"rollouts_seen": 4}
+    assert restored.state_dict() == {"rollouts_seen": 4, "owed": False}
+
+
+def test_a_due_sample_whose_rollout_is_empty_waits_for_the_next_rollout_with_rows(tmp_path):
+    """DAPO's dynamic sampling skips early steps with an empty rollout: their sample must not be lost until the next
+    due step (every_n_steps later). The turn owed is saved in checkpoints."""
+    samples = CompletionSamples(every_n_steps=100)
+    full = make_rollout(*ROLLOUT)
+    empty = full.select([])
+    samples.on_rollout_end(fake_trainer(tmp_path, step=0), None, empty)
+    restored = CompletionSamples(every_n_steps=100)
+    restored.load_state_dict(samples.state_dict())
+    for step in (1, 2):
+        restored.on_rollout_end(fake_trainer(tmp_path, step=step), None, full)
+    assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_000001.md"]
+
+
+def test_a_rollout_without_prompt_texts_is_refused_by_name(tmp_path):
+    rollout = make_rollout(*ROLLOUT)
+    rollout.prompts = []
+    with pytest.raises(ValueError, match=r"CompletionSamples needs a scored rollout with texts"):
+        CompletionSamples().on_rollout_end(fake_trainer(tmp_path), None, rollout)
 
 
 # ---- inside a real Trainer with GPOModule --------------------------------------------------------------------

@@ -125,6 +125,11 @@ def test_running_out_with_train_trains_on_fewer_groups_and_warns_with_the_counts
         out = rollout_end(callback, module, make_rollout([[0, 1], [1, 1], [2, 2]]))
     assert list(groups_by_prompt(out)) == ["0", "b2"]
     assert module.logged["exhausted"] == 1 and module.logged["groups_kept"] == 2 and module.logged["rounds"] == 2
+    with warnings.catch_warnings():  # the next step that runs out is counted, not warned about again
+        warnings.simplefilter("error")
+        module.queue += [make_rollout([[1, 1]] * 3)] * 2
+        rollout_end(callback, module, make_rollout([[0, 1], [1, 1], [2, 2]]))
+    assert module.logged["exhausted"] == 1 and callback.totals["exhausted_steps"] == 2
 
 
 def test_running_out_with_skip_returns_an_empty_rollout():

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 from gpo.callbacks import VLLMWeightSync
@@ -125,7 +125,8 @@ def test_a_vllm_engine_inside_a_multi_turn_engine_is_synced_and_verified_on_the_
 @needs_vllm
 def test_verification_fails_loudly_when_the_weights_are_not_pushed(assets, engine, monkeypatch):
     start = AutoModelForCausalLM.from_pretrained(assets[0])
-    engine.update_weights(start.state_dict().items())  # the start weights
+    engine.setup(start, AutoTokenizer.from_pretrained(assets[0]))  # built here when this test runs alone
+    engine.update_weights(start.state_dict().items())  # the start weights: earlier tests trained the shared engine
     stale = copy.copy(engine)
     monkeypatch.setattr(stale, "update_weights", lambda named_tensors: None)
     sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)

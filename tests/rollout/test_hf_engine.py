@@ -213,6 +213,9 @@ def test_concat_rollouts_repads_and_keeps_groups_apart(policy_and_tokenizer):
             assert both.completion_ids[row][both.completion_mask[row].bool()].tolist() == (
                 part.completion_ids[i][part.completion_mask[i].bool()].tolist()
             )
+    b.fields = {}  # e.g. a draw_rollout that forgot the dataset's columns
+    with pytest.raises(ValueError, match=r"the first has \['answer'\], part 1 has \[\] \(a rollout drawn by "):
+        concat_rollouts([a, b])
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])

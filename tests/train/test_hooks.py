@@ -33,6 +33,65 @@ def test_a_misspelt_hook_is_refused_when_the_class_is_defined():
                 return batch
 
 
+class PolicyOnly(RolloutSource, L.LightningModule):
+    """Declares RolloutSource but sets only ``policy``."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = torch.nn.Linear(1, 1)
+
+
+@pytest.mark.parametrize(
+    ("callback", "message"),
+    [
+        (gpo.callbacks.ExportPolicy(), r"ExportPolicy reads the module's policy, tokenizer, and PolicyOnly has not set "
+         r"tokenizer: set them\."),
+        (VLLMWeightSync(), r"reads the module's engine, policy, scorer, tokenizer, and PolicyOnly has not set engine, "
+         r"scorer, tokenizer"),
+        (RolloutMonitor(compute_entropy=True), r"reads the module's scorer for compute_entropy .*has not set scorer"),
+    ],
+)
+def test_a_callback_refuses_at_setup_a_module_that_has_not_set_what_it_reads(callback, message):
+    """Not at train end, when ExportPolicy would first touch the tokenizer, after the whole run."""
+    trainer = quiet_trainer(1)
+    with pytest.raises(TypeError, match=message):
+        callback.setup(trainer, PolicyOnly(), "fit")
+    with pytest.raises(TypeError, match=r"LightningModule does not declare them: mix gpo.train.hooks.RolloutSource"):
+        callback.setup(trainer, L.LightningModule(), "fit")
+
+
+class BothHooks(RolloutCallback):
+    @override
+    def on_prompts(self, trainer, pl_module, batch):
+        return None
+
+    @override
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        return None
+
+
+class PromptHooksOnly(L.LightningModule):
+    """Runs the prompt hooks and forgets the rollout hooks."""
+
+    def training_step(self, batch, batch_idx):
+        run_prompt_hooks(self.trainer, self, {"prompt": batch})
+
+    def train_dataloader(self):
+        return DataLoader(["p"] * 12, batch_size=1)
+
+    def configure_optimizers(self):
+        return None
+
+
+def test_a_hook_the_module_never_runs_is_warned_about_once_ten_batches_in(recwarn):
+    quiet_trainer(12, [BothHooks()]).fit(PromptHooksOnly())
+    messages = [str(w.message) for w in recwarn if "has not run in" in str(w.message)]
+    assert messages == [
+        "BothHooks.on_rollout_end has not run in 10 training batches, so it does nothing: PromptHooksOnly.training_step "
+        "must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring (GPOModule does)."
+    ]
+
+
 def test_every_rollout_hook_of_gpos_callbacks_is_marked_override():
     marked = 0
     for cls in (getattr(gpo.callbacks, name) for name in gpo.callbacks.__all__):
