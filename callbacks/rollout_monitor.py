@@ -114,7 +114,8 @@ class RolloutMonitor(RolloutCallback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.compute_entropy:
-            require_source(self, pl_module, ("scorer",), " for compute_entropy (or read a logged entropy: entropy_metric)")
+            purpose = " for compute_entropy (or read a logged entropy: entropy_metric)"
+            require_source(self, pl_module, ("scorer",), purpose)
 
     @override
     def on_rollout_end(self, trainer: Trainer, module: LightningModule, rollout: Rollout) -> None:

@@ -87,8 +87,8 @@ def test_a_hook_the_module_never_runs_is_warned_about_once_ten_batches_in(recwar
     quiet_trainer(12, [BothHooks()]).fit(PromptHooksOnly())
     messages = [str(w.message) for w in recwarn if "has not run in" in str(w.message)]
     assert messages == [
-        "BothHooks.on_rollout_end has not run in 10 training batches, so it does nothing: PromptHooksOnly.training_step "
-        "must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring (GPOModule does)."
+        "BothHooks.on_rollout_end has not run in 10 training batches, so it does nothing: "
+        "PromptHooksOnly.training_step must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring (GPOModule does)."
     ]
 
 
