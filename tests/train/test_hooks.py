@@ -88,7 +88,8 @@ def test_a_hook_the_module_never_runs_is_warned_about_once_ten_batches_in(recwar
     messages = [str(w.message) for w in recwarn if "has not run in" in str(w.message)]
     assert messages == [
         "BothHooks.on_rollout_end has not run in 10 training batches, so it does nothing: "
-        "PromptHooksOnly.training_step must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring (GPOModule does)."
+        "PromptHooksOnly.training_step must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after "
+        "scoring (GPOModule does)."
     ]
 
 
