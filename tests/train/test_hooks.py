@@ -44,10 +44,16 @@ class PolicyOnly(RolloutSource, L.LightningModule):
 @pytest.mark.parametrize(
     ("callback", "message"),
     [
-        (gpo.callbacks.ExportPolicy(), r"ExportPolicy reads the module's policy, tokenizer, and PolicyOnly has not set "
-         r"tokenizer: set them\."),
-        (VLLMWeightSync(), r"reads the module's engine, policy, scorer, tokenizer, and PolicyOnly has not set engine, "
-         r"scorer, tokenizer"),
+        (
+            gpo.callbacks.ExportPolicy(),
+            r"ExportPolicy reads the module's policy, tokenizer, and PolicyOnly has not set "
+            r"tokenizer: set them\.",
+        ),
+        (
+            VLLMWeightSync(),
+            r"reads the module's engine, policy, scorer, tokenizer, and PolicyOnly has not set engine, "
+            r"scorer, tokenizer",
+        ),
         (RolloutMonitor(compute_entropy=True), r"reads the module's scorer for compute_entropy .*has not set scorer"),
     ],
 )
