@@ -113,7 +113,8 @@ class PolicyObjective:
         for token_mask in self.update_masks:
             keep, mask_metrics = token_mask(kept, **_pick(token_mask, given))
             kept, metrics = torch.where(keep, kept, 0), {**metrics, **mask_metrics}  # [B, T]
-        per_token, gate_metrics = self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given))
+        per_token, gate_metrics = checked_gate_output(self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given)),
+                                                      self.gate, mask, logp)  # fmt: skip
         metrics = {**metrics, **gate_metrics}
         if self.kl is not None:
             if ref_logp is None:
@@ -128,7 +129,12 @@ class PolicyObjective:
             per_token = per_token * weight
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
-        return self.aggregator(per_token, mask, normaliser), metrics
+        loss = self.aggregator(per_token, mask, normaliser)
+        if not isinstance(loss, Tensor) or loss.ndim != 0:
+            shape = list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"the loss aggregator {type(self.aggregator).__name__} returned {shape}, not a scalar "
+                             "tensor (LossAggregator.numerator sums its rows to one value).")  # fmt: skip
+        return loss, metrics
 
     @property
     def adapts(self) -> bool:
@@ -152,6 +158,26 @@ class PolicyObjective:
     def load_state_dict(self, state: Mapping[str, dict[str, float]]) -> None:
         if "entropy" in state and self.adapts:
             self.entropy.adaptive.load_state_dict(state["entropy"])
+
+
+def checked_gate_output(out: object, gate: RatioGate, mask: Tensor, logp: Tensor) -> tuple[Tensor, Metrics]:
+    """``gate``'s output ``out`` if it keeps ``RatioGate.__call__``'s contract: ``(per_token_loss[B, T], metrics)``
+    with a loss that carries ``logp``'s gradient and 0-d tensors as metrics; else a ValueError naming the gate."""
+    name = f"the ratio gate {type(gate).__name__}"
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], dict)):
+        raise ValueError(f"{name} returned {type(out).__name__}; RatioGate.__call__ returns (per_token_loss[B, T], "
+                         "metrics), metrics a dict of detached 0-d tensors.")  # fmt: skip
+    loss, metrics = out
+    if loss.shape != mask.shape:
+        raise ValueError(f"{name} returned per_token_loss of shape {list(loss.shape)}; RatioGate.__call__ returns "
+                         f"one loss per token, [B, T] = {list(mask.shape)}.")  # fmt: skip
+    if torch.is_grad_enabled() and logp.requires_grad and not loss.requires_grad:
+        raise ValueError(f"{name} returned a per_token_loss without gradient (detached from logp): the policy would "
+                         "not learn from it.")  # fmt: skip
+    strays = sorted(key for key, value in metrics.items() if not isinstance(value, Tensor))
+    if strays:
+        raise ValueError(f"{name} returned metrics {strays} that are not tensors; give detached 0-d tensors.")
+    return loss, metrics
 
 
 def _pick(part: RatioGate | TokenMask, given: Mapping[str, Tensor | None]) -> dict[str, Tensor]:

@@ -27,6 +27,12 @@ class StepCredit:
         this rank's ``adv[B, T]``."""
         step, rows = collectives.gather_step(rollout, mask)
         step_adv = self.advantage(step["reward"], step["group"], step["mask"])  # [B_all, T_all]
+        if not isinstance(step_adv, Tensor) or step_adv.shape != step["mask"].shape:
+            shape = list(step_adv.shape) if isinstance(step_adv, Tensor) else type(step_adv).__name__
+            raise ValueError(
+                f"the advantage estimator {type(self.advantage).__name__} returned {shape}; "
+                f"AdvantageEstimator.__call__ returns adv[B, T] = {list(step['mask'].shape)}, one per token."
+            )
         adv = step_adv[rows, : mask.shape[1]]  # [B, T]
         if self.step_rewards is not None:
             if rollout.turn_rewards is None:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
 from gpo.algo.gates.base import Metrics
-from gpo.algo.objective import PolicyObjective
+from gpo.algo.objective import ALWAYS_GIVEN, PolicyObjective
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
@@ -108,7 +108,7 @@ class Learner:
         if unsupported:
             raise ValueError(
                 f"the objective's parts need {sorted(unsupported)}, which the trainer does not compute (it supplies "
-                f"{sorted(SUPPLIED_INPUTS)})."
+                f"{sorted(SUPPLIED_INPUTS | ALWAYS_GIVEN)})."
             )
         if "teacher_logp" in objective.requires and teacher is None:
             raise ValueError("the objective distils from a teacher (teacher_logp), but no teacher was given.")

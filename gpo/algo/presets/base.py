@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -47,10 +48,41 @@ class Custom(Algorithm):
         gate: RatioGate | None = None,
         aggregator: LossAggregator | None = None,
     ) -> None:
+        for slot, part in (("advantage", advantage), ("gate", gate), ("aggregator", aggregator)):
+            if part is not None:
+                check_part(slot, part)
         self._parts = Parts(advantage or GroupNormAdvantage(), gate or NoGate(), aggregator or SequenceMean())
 
     def parts(self, max_new_tokens: int | None = None) -> Parts:
         return self._parts
+
+
+#: Each slot of ``Custom``: the kind of part it takes and the arguments ``__call__`` is given by position.
+SLOTS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "advantage": (AdvantageEstimator, ("reward[B]", "group[B]", "mask[B, T]")),
+    "gate": (RatioGate, ("logp[B, T]", "old_logp[B, T]", "adv[B, T]", "mask[B, T]")),
+    "aggregator": (LossAggregator, ("per_token_loss[B, T]", "mask[B, T]", "normaliser")),
+}
+
+
+def check_part(slot: str, part: object) -> None:
+    """Refuse, when ``Custom`` is built, a part of another kind, a class instead of an instance, or one whose
+    ``__call__`` cannot take the arguments the trainer gives it (by position; a gate's ``requires`` by name)."""
+    kind, arguments = SLOTS[slot]
+    name = part.__name__ if isinstance(part, type) else type(part).__name__
+    if isinstance(part, type):
+        raise TypeError(f"Custom({slot}={name}): give an instance, {name}(...), not the class.")
+    if not isinstance(part, kind):
+        shown = repr(part) if isinstance(part, str | int | float) else f"{name}(...)"
+        other = next((key for key, (k, _) in SLOTS.items() if isinstance(part, k)), None)
+        hint = f"; {name} is a gpo.algo.{SLOTS[other][0].__name__}: did you mean {other}=?" if other else "."
+        raise TypeError(f"Custom({slot}={shown}) takes a gpo.algo.{kind.__name__}{hint}")
+    named = dict.fromkeys(part.requires) if isinstance(part, RatioGate) else {}
+    try:
+        inspect.signature(part).bind(*arguments, **named)
+    except TypeError as err:
+        given = ", ".join([*arguments, *named])
+        raise TypeError(f"Custom({slot}={name}(...)): {name}.__call__ must take ({given}): {err}.") from None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""A part written by a user that breaks its contract is refused by name: of the wrong kind, a class, a signature
+that cannot take the trainer's arguments (when ``Custom`` is built), or an output of the wrong form (at its call)."""
+
+import pytest
+import torch
+
+from gpo.algo import (
+    AdvantageEstimator,
+    ClipGate,
+    Custom,
+    GroupNormAdvantage,
+    NoGate,
+    RatioGate,
+    SequenceMean,
+    TokenMean,
+)
+from gpo.algo.objective import PolicyObjective
+from gpo.rollout.base import Rollout
+from gpo.train.credit import StepCredit
+
+
+class NoMask(AdvantageEstimator):
+    def __call__(self, reward, group):
+        return reward
+
+
+class PerSequence(AdvantageEstimator):
+    def __call__(self, reward, group, mask):
+        return reward  # [B], not [B, T]
+
+
+class NeedsRouter(RatioGate):
+    requires = frozenset({"router_logp"})
+
+    def __call__(self, logp, old_logp, adv, mask):  # no router_logp parameter
+        return -adv * logp, {}
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ({"advantage": ClipGate()}, r"Custom\(advantage=ClipGate\(...\)\) takes a gpo.algo.AdvantageEstimator; "
+         r"ClipGate is a gpo.algo.RatioGate: did you mean gate=\?"),
+        ({"aggregator": GroupNormAdvantage()}, r"takes a gpo.algo.LossAggregator; .* did you mean advantage=\?"),
+        ({"gate": "ClipGate"}, r"Custom\(gate='ClipGate'\) takes a gpo.algo.RatioGate\.$"),
+        ({"advantage": GroupNormAdvantage}, r"give an instance, GroupNormAdvantage\(...\), not the class"),
+        ({"advantage": NoMask()}, r"NoMask.__call__ must take \(reward\[B\], group\[B\], mask\[B, T\]\)"),
+        ({"gate": NeedsRouter()}, r"NeedsRouter.__call__ must take \(logp\[B, T\], .*, mask\[B, T\], router_logp\)"),
+    ],
+)  # fmt: skip
+def test_custom_refuses_a_part_that_cannot_fill_its_slot(parts, message):
+    with pytest.raises(TypeError, match=message):
+        Custom(**parts)
+
+
+def test_custom_takes_parts_that_keep_the_contract():
+    parts = Custom(advantage=GroupNormAdvantage(), gate=ClipGate(), aggregator=TokenMean()).parts()
+    assert isinstance(parts.gate, ClipGate) and isinstance(parts.aggregator, TokenMean)
+
+
+def step_tensors():
+    logp = torch.randn(4, 3, requires_grad=True)
+    return logp, logp.detach() - 0.1, torch.randn(4, 3), torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+
+
+class Returns(RatioGate):
+    """A gate returning whatever it was built with (the loss from logp by ``loss``)."""
+
+    def __init__(self, loss, metrics=None, pair=True):
+        self.loss, self.metrics, self.pair = loss, metrics or {}, pair
+
+    def __call__(self, logp, old_logp, adv, mask):
+        loss = self.loss(logp, adv)
+        return (loss, self.metrics) if self.pair else loss
+
+
+@pytest.mark.parametrize(
+    ("gate", "message"),
+    [
+        (Returns(lambda logp, adv: -adv * logp, pair=False), r"Tensor; RatioGate.__call__ returns "
+         r"\(per_token_loss\[B, T\], metrics\)"),
+        (Returns(lambda logp, adv: (-adv * logp).sum(-1)), r"per_token_loss of shape \[4\]; .* \[B, T\] = \[4, 3\]"),
+        (Returns(lambda logp, adv: (-adv * logp).detach()), r"a per_token_loss without gradient \(detached"),
+        (Returns(lambda logp, adv: -adv * logp, {"x": 0.5}), r"metrics \['x'\] that are not tensors"),
+    ],
+)  # fmt: skip
+def test_a_gate_output_outside_the_contract_is_refused_by_name(gate, message):
+    logp, old, adv, mask = step_tensors()
+    with pytest.raises(ValueError, match="the ratio gate Returns returned " + message):
+        PolicyObjective(gate, SequenceMean())(logp, old, adv, mask)
+
+
+def test_a_detached_loss_is_not_refused_without_gradient_tracking():
+    logp, old, adv, mask = step_tensors()
+    with torch.no_grad():
+        loss, _ = PolicyObjective(NoGate(), SequenceMean())(logp, old, adv, mask)
+    assert loss.ndim == 0
+
+
+class PerRow(SequenceMean):
+    def numerator(self, per_token_loss, mask):
+        return (per_token_loss * mask).sum(-1)  # [B], not a scalar
+
+
+def test_an_aggregator_that_returns_no_scalar_is_refused_by_name():
+    logp, old, adv, mask = step_tensors()
+    with pytest.raises(ValueError, match=r"the loss aggregator PerRow returned \[4\], not a scalar tensor"):
+        PolicyObjective(NoGate(), PerRow())(logp, old, adv, mask)
+
+
+def test_an_advantage_of_the_wrong_shape_is_refused_by_name():
+    rollout = Rollout(
+        prompt_ids=torch.ones(4, 2, dtype=torch.long),
+        prompt_mask=torch.ones(4, 2, dtype=torch.long),
+        completion_ids=torch.ones(4, 3, dtype=torch.long),
+        completion_mask=torch.ones(4, 3, dtype=torch.long),
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group=torch.tensor([0, 0, 1, 1]),
+    )
+    rollout.reward = torch.tensor([0.0, 1.0, 1.0, 0.5])
+    rollout.scores = rollout.reward[:, None]
+    with pytest.raises(ValueError, match=r"PerSequence returned \[4\]; .* adv\[B, T\] = \[4, 3\], one per token"):
+        StepCredit(PerSequence(), None)(rollout, rollout.completion_mask.float())
