@@ -164,7 +164,7 @@ class Learner:
         adv = self.objective.weigh(adv, mask, **inputs)
         batch = StepBatch(rollout, adv, mask, inputs, rollout.lengths.tolist())
         zero = torch.zeros((), device=backend.device)
-        measured: list[tuple[float, Metrics]] = []  # (weight, a micro-batch's metrics)
+        measured: list[tuple[Tensor, Metrics]] = []  # (tokens in the loss, a micro-batch's metrics)
         losses, norms, skipped = [], [], 0
         bounds = collectives.minibatch_bounds(len(rollout), self.optim.number_of_minibatches)
         for epoch in range(self.optim.ppo_epochs):
@@ -176,7 +176,7 @@ class Learner:
                 else:
                     losses.append(applied[0])
                     norms.append(applied[1])
-        out = weighted_sum(measured)
+        out = combine_micro_batches(measured)
         out["loss"], out["grad/norm"] = (mean(losses), mean(norms)) if losses else (zero + math.nan, zero + math.nan)
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
@@ -226,11 +226,11 @@ class Learner:
 
     def _minibatch(
         self, batch: StepBatch, order: Tensor | None, start: int, stop: int, backend: Backend,
-        measured: list[tuple[float, Metrics]],
+        measured: list[tuple[Tensor, Metrics]],
     ) -> tuple[Tensor, Tensor] | None:  # fmt: skip
         """One optimiser update on the rows at positions ``start:stop`` of ``order`` (None: the rows in order);
-        appends each micro-batch's diagnostics to ``measured``, weighted by its share of the step's rows per epoch;
-        returns the update's loss and gradient norm, or None when it was skipped (not finite)."""
+        appends each micro-batch's diagnostics to ``measured`` with the tokens it kept in the loss; returns the
+        update's loss and gradient norm, or None when it was skipped (not finite)."""
         minibatch = batch.rows(order, start, stop)
         normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(batch.mask[minibatch.index]))
         size = self.optim.micro_batch_size or stop - start
@@ -244,8 +244,8 @@ class Learner:
             with backend.gradient_sync(index == len(micros) - 1):
                 backend.backward(loss)
             losses.append(loss.detach())  # micro-batch losses add up to the minibatch loss
-            share = micro.count / len(batch.rollout) / self.optim.ppo_epochs
-            measured.append((share, {key: value.detach() for key, value in metrics.items()}))
+            kept = batch.mask[micro.index, : micro.width].sum()
+            measured.append((kept, {key: value.detach() for key, value in metrics.items()}))
         loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
         scale = backend.scaler.get_scale() if backend.scaler is not None else 1.0  # 16-mixed: a second host sync
         norm = self._clip(scale)
@@ -321,15 +321,25 @@ class StepBatch:
         return Rows(picked.to(self.mask.device), width, stop - start)
 
 
-def weighted_sum(measured: list[tuple[float, Metrics]]) -> Metrics:
-    """``sum_k w_k m_k`` per key over ``(w_k, m_k)`` (a key missing from ``m_k`` counts as 0); a single record of
-    weight 1 is returned as it is, with no tensor operation."""
-    if len(measured) == 1 and measured[0][0] == 1.0:
+def combine_micro_batches(measured: list[tuple[Tensor, Metrics]]) -> Metrics:
+    """One value per key over a step's updates, each ``(tokens it kept in the loss, its metrics)``: keys ending in
+    ``/min`` and ``/max`` the extremes over the micro-batches that kept a token, every other key the mean weighted by
+    those tokens (a micro-batch without tokens, whose statistics read 0, has no say; token means come out exactly as
+    over the whole step). A key missing from a micro-batch counts as 0 there; a single record is returned as it is,
+    with no tensor operation."""
+    if len(measured) == 1:
         return dict(measured[0][1])
+    tokens = torch.stack([kept for kept, _ in measured]).float()  # [K]
+    some = tokens > 0
     out: Metrics = {}
-    for weight, metrics in measured:
-        for key, value in metrics.items():
-            out[key] = out[key] + weight * value if key in out else weight * value
+    for key in dict.fromkeys(key for _, metrics in measured for key in metrics):
+        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for _, metrics in measured]).float()
+        if key.endswith(("/min", "/max")):
+            low = key.endswith("/min")
+            extreme = torch.where(some, values, math.inf if low else -math.inf)
+            out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
+        else:
+            out[key] = (values * tokens).sum() / tokens.sum().clamp_min(1)
     return out
 
 

@@ -17,7 +17,7 @@ from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import LocalTeacher
 from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_config, tiny_model
-from gpo.train.learner import Backend, Learner, weighted_sum
+from gpo.train.learner import Backend, Learner, combine_micro_batches
 from gpo.train.optimization import Optimization
 
 
@@ -120,16 +120,22 @@ def test_a_teacher_whose_vocabulary_cannot_hold_the_policys_tokens_is_refused():
     LocalTeacher(tiny_model("llama")).setup(char_tokenizer())  # the same vocabulary: accepted
 
 
-def test_step_metrics_are_the_row_weighted_sum_over_micro_batches_and_epochs():
+def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes():
     one = {"entropy": torch.tensor(2.0)}
-    assert weighted_sum([(1.0, one)])["entropy"] is one["entropy"]  # one update: handed on as it is
-    # two epochs of micro-batches of 3 and 1 rows out of 4: weights 3/8, 1/8, 3/8, 1/8; "clip" only in some
+    assert combine_micro_batches([(torch.tensor(5), one)])["entropy"] is one["entropy"]  # one update: as it is
+
+    def stats(entropy, low, high, **more):
+        return {"entropy": torch.tensor(entropy), "ratio/min": torch.tensor(low), "ratio/max": torch.tensor(high),
+                **{key: torch.tensor(value) for key, value in more.items()}}  # fmt: skip
+
+    # micro-batches keeping 6, 0, 3 and 1 tokens: the empty one reads 0 and has no say; "clip" only in some
     measured = [
-        (3 / 8, {"entropy": torch.tensor(1.0), "clip": torch.tensor(0.5)}),
-        (1 / 8, {"entropy": torch.tensor(5.0)}),
-        (3 / 8, {"entropy": torch.tensor(2.0), "clip": torch.tensor(1.0)}),
-        (1 / 8, {"entropy": torch.tensor(6.0)}),
+        (torch.tensor(6), stats(1.0, 0.9, 1.1, clip=0.5)),
+        (torch.tensor(0), stats(0.0, 0.0, 0.0)),
+        (torch.tensor(3), stats(2.0, 0.8, 1.3, clip=1.0)),
+        (torch.tensor(1), stats(6.0, 1.0, 1.0)),
     ]
-    out = weighted_sum(measured)
-    assert out["entropy"].item() == pytest.approx((3 * 1 + 5 + 3 * 2 + 6) / 8)
-    assert out["clip"].item() == pytest.approx((3 * 0.5 + 3 * 1.0) / 8)
+    out = combine_micro_batches(measured)
+    assert out["entropy"].item() == pytest.approx((6 * 1 + 3 * 2 + 6) / 10)
+    assert out["clip"].item() == pytest.approx((6 * 0.5 + 3 * 1.0) / 10)
+    assert out["ratio/min"].item() == pytest.approx(0.8) and out["ratio/max"].item() == pytest.approx(1.3)

@@ -62,6 +62,27 @@ def test_micro_batching_leaves_the_update_unchanged(workspace):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_micro_batching_leaves_the_logged_diagnostics_unchanged(workspace):
+    """Ratio extremes, clip fractions and entropy are the step's, whatever the micro-batches: a micro-batch whose
+    completions OverlongFilter dropped (statistics of no token, read as 0) has no say."""
+    settings = {"algorithm": "dapo", "token_weights": [OverlongFilter()], "old_logprobs": "rollout"}
+    logged = []
+    for micro in (None, 5):
+        optim = Optimization(lr=1e-2, number_of_minibatches=2, ppo_epochs=2, micro_batch_size=micro)
+        module, _ = fit(workspace, 4, optim=optim, **settings)
+        logged.append(
+            {
+                k: float(v)
+                for k, v in module.trainer.callback_metrics.items()
+                if k.startswith(("ratio/", "clip/", "entropy"))
+            }
+        )
+    whole, split = logged
+    assert whole["ratio/min"] < 1 < whole["ratio/max"] and whole.keys() == split.keys()
+    for key in whole:
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_reward_returning_nan_is_reported_with_its_prompt(workspace):
     def broken(prompts, completions, **_):
         return [float("nan")] * len(completions)
