@@ -36,6 +36,19 @@ def run_dir(root):
     return fit(root, "run")
 
 
+def test_a_run_refused_at_set_up_leaves_no_version_folder_and_a_resumed_one_keeps_its_own(root):
+    """The next run takes version_0, as the docs' paths say; a refused resume keeps the folder it resumes."""
+    with pytest.raises(ValueError, match="number_of_minibatches=3 does not divide"):
+        fit(root, "refused", "--model.optim.number_of_minibatches=3")
+    assert list((root / "refused/lightning_logs").iterdir()) == []
+    fit(root, "refused")
+    with pytest.raises(ValueError, match="number_of_minibatches=3 does not divide"):
+        fit(root, "refused", "--model.optim.number_of_minibatches=3", "--ckpt_path=last", "--trainer.max_steps=4")
+    version = root / "refused/lightning_logs/version_0"
+    assert [p.name for p in (root / "refused/lightning_logs").iterdir()] == ["version_0"]
+    assert (version / "metrics.csv").is_file() and (version / "config.yaml").is_file()
+
+
 def test_fit_logs_csv_and_tensorboard_by_default(run_dir):
     version = run_dir / "lightning_logs/version_0"
     assert "reward/mean" in (version / "metrics.csv").read_text()

@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
 from gpo.logfilters import drop_messages
-from gpo.train.loggers import default_loggers
+from gpo.train.loggers import default_loggers, discard_unused_version
 from gpo.train.preflight import check_trainer_loop
 
 
@@ -39,7 +39,16 @@ class GPOCLI(LightningCLI):
         # Only a help request gets the focused help: jsonargparse leaves the settings it hides out of every config it
         # writes too (--print_config, each run's config.yaml), and a run made again from those would lose them.
         self.focused_help = isinstance(argv, list | tuple) and bool({"--help", "-h"} & set(argv))
+        self.made_loggers = False  # whether the run logs with gpo's default loggers (instantiate_trainer)
         super().__init__(*args, **kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if self.made_loggers:  # a run refused at set-up leaves no version_N folder behind to skip a number
+                discard_unused_version(self.trainer)
+            raise
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -88,6 +97,7 @@ class GPOCLI(LightningCLI):
         if trainer.get("logger") in (None, True) and "logger" not in kwargs:
             resuming = self.subcommand == "fit" and self._get(self.config_init, "ckpt_path") is not None
             kwargs["logger"] = default_loggers(root, resume=resuming)
+            self.made_loggers = True
         configured = _as_list(trainer.get("callbacks"))
         callbacks = [*configured, *(self._get(self.config_init, k) for k in self._callback_keys())]
         added = []

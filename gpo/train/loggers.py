@@ -11,12 +11,14 @@ from there on (each TensorBoard logger marks its first step as a session start).
 from __future__ import annotations
 
 import csv
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import tensorboardX
+from lightning import Trainer
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -187,3 +189,16 @@ def resumed_version(logs: Path, next_free: int) -> int:
         if metrics_csv.is_file() and trained(metrics_csv):
             return version
     return next_free - 1
+
+
+def discard_unused_version(trainer: Trainer) -> None:
+    """Remove the ``version_N`` folder of a run that stopped before its first step (a setting refused at set-up) if
+    it holds only what every start writes there (``config.yaml``, TensorBoard's first event file), so that the next
+    run takes its number. A folder holding anything else (a resumed run's metrics) is kept. Global rank 0 only."""
+    if not trainer.is_global_zero or trainer.global_step > 0 or trainer.log_dir is None:
+        return
+    folder = Path(trainer.log_dir)
+    files = {path.relative_to(folder) for path in folder.rglob("*") if path.is_file()}
+    events = {path for path in files if path.parent == Path("tb") and path.name.startswith("events.out.tfevents.")}
+    if folder.is_dir() and files - events <= {Path("config.yaml")} and len(events) <= 1:
+        shutil.rmtree(folder)
