@@ -44,7 +44,8 @@ class ExportPolicy(Callback):
         if is_sharded(trainer.strategy):
             raise ValueError(
                 "exporting under FSDP is not supported yet (the policy is sharded over the processes): set "
-                "export: none (configs/fsdp.yaml does), and export a checkpoint later with gpo export."
+                "export: none (configs/fsdp.yaml does); to export a checkpoint later with gpo export, write it as one "
+                "file: --trainer.strategy.init_args.save_distributed_checkpoint false."
             )
 
     @override

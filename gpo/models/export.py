@@ -53,6 +53,11 @@ def export_checkpoint(
     from gpo.train.checkpointing import load_checkpoint_file
 
     settings = _run_settings(Path(config))
+    if Path(checkpoint).is_dir():
+        raise ValueError(
+            f"{checkpoint} is a folder of per-process shards (FSDP); gpo export reads a single-file checkpoint, which "
+            "FSDP runs write with --trainer.strategy.init_args.save_distributed_checkpoint false."
+        )
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (gpo export CONFIG CKPT OUT).")
     if not merge and settings.get("trainer_mode", "full") == "full":
@@ -69,10 +74,18 @@ def export_checkpoint(
     )
     state = load_checkpoint_file(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     weights = {key.removeprefix("policy."): value for key, value in state.items() if key.startswith("policy.")}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+    mismatch = f"{checkpoint} does not match the model {config} describes"
+    fix = "give the config.yaml of the run that wrote the checkpoint (its lightning_logs/version_N/config.yaml)"
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # a weight of another shape: another LoRA rank, another model size
+        shapes = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+        raise ValueError(f"{mismatch}: {len(shapes)} weights differ in shape, e.g. {shapes[:1]}; {fix}.") from None
+    missing = [key for key in missing if not key.endswith("lm_head.weight")]  # tied to the input embedding
+    if missing or unexpected:
         raise ValueError(
-            f"{checkpoint} does not match the model in {config}: missing {missing}, unexpected {unexpected}"
+            f"{mismatch}: {len(missing)} weights missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. "
+            f"{unexpected[:2]}); {fix}."
         )
     field = "model.tokenizer" if settings.get("tokenizer") else "model.policy"
     tokenizer = load_tokenizer(settings.get("tokenizer") or path, field)

@@ -3,6 +3,7 @@
 import lightning as L
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpo.algo import KLPenalty
@@ -107,7 +108,7 @@ def test_qlora_is_refused_on_cpu_with_the_alternative():
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, mode):
+def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, mode, capsys):
     from gpo.cli import main
 
     model = save_tiny_model(tmp_path / "model", "llama")
@@ -128,6 +129,19 @@ def test_export_command_turns_a_checkpoint_into_a_transformers_folder(tmp_path, 
         sample_logp(exported, ids), sample_logp(AutoModelForCausalLM.from_pretrained(model), ids)
     )
     assert trained
+    # the config of another run: a LoRA rank of 4 (a LoRA checkpoint of rank 2), or LoRA (a full checkpoint)
+    settings = yaml.safe_load((version / "config.yaml").read_text())
+    settings["model"] |= {"trainer_mode": "lora", "lora": {**(settings["model"].get("lora") or {}), "r": 4}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(settings))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "other.yaml"), str(checkpoint), str(tmp_path / "wrong")])
+    [err] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpo export: error: ")]
+    says = "weights differ in shape" if mode == "lora" else "weights missing"
+    assert f"does not match the model {tmp_path / 'other.yaml'} describes: " in err and says in err, err
+    assert err.endswith(
+        "give the config.yaml of the run that wrote the checkpoint (its lightning_logs/version_N/config.yaml)."
+    )
 
 
 class RunsCode:
@@ -173,6 +187,7 @@ def test_export_refuses_swapped_arguments_a_missing_checkpoint_and_an_adapter_of
     }
     (tmp_path / "weights.bin").write_bytes(b"\x80\x02binary")
     cases[(str(tmp_path / "weights.bin"), str(checkpoint))] = "weights.bin is not a YAML config (UnicodeDecodeError)"
+    cases[(str(config), str(tmp_path))] = "is a folder of per-process shards (FSDP); gpo export reads a single-file"
     cases[("quickstrat", str(checkpoint))] = (
         "CONFIG quickstrat: no such file here, and gpo ships no config of that name"
     )
