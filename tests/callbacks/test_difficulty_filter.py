@@ -225,3 +225,16 @@ def test_filters_a_real_run_and_resumes_from_a_checkpoint(tmp_path):
     trainer, seen = fit(tmp_path, 5, resumed, ckpt_path=tmp_path / "last.ckpt")
     assert seen == [["mid"]]  # easy and hard were re-tested at step 4, before the checkpoint
     assert resumed.step == 5 and trainer.global_step == 5
+
+
+def test_the_shipped_callbacks_config_lists_difficulty_filter_before_dynamic_sampling():
+    """DifficultyFilter learns from the rollout it is handed: after DynamicSampling that rollout has lost the uniform
+    groups (all failed or all passed), the very prompts it exists to skip."""
+    import yaml
+
+    from gpo.cli.shipped import shipped_configs
+
+    listed = [
+        c["class_path"] for c in yaml.safe_load(shipped_configs()["callbacks"].read_text())["trainer"]["callbacks"]
+    ]
+    assert listed.index("gpo.callbacks.DifficultyFilter") < listed.index("gpo.callbacks.DynamicSampling")
