@@ -107,12 +107,14 @@ def run(argv: list[str] | None = None) -> None:
 
 def is_user_error(error: Exception) -> bool:
     """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, a checkpoint that cannot be used,
-    or a trainer setting Lightning refuses), which ``run`` prints as a short message."""
+    a trainer setting Lightning refuses, or a task app, judge or server that is down or refuses: its message names the
+    address and the fix), which ``run`` prints as a short message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException  # only once something has failed
 
+    from gpo.envs.http import ServiceError
     from gpo.train.checkpointing import CheckpointError
 
-    return isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException))
+    return isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError))
 
 
 def known_groups() -> dict[str, type]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpo.cli import main
+from gpo.cli import main, run
 from gpo.envs import NumberGuess
 from gpo.envs.number_guess_prompts import prompt
 from gpo.envs.task_app import make_app as make_task_app
@@ -26,12 +26,12 @@ def assets(tmp_path_factory):
     return root
 
 
-def fit(root: Path, out: str, steps: int, *extra: str) -> list[dict[str, str]]:
+def fit(root: Path, out: str, steps: int, *extra: str, command=main) -> list[dict[str, str]]:
     args = ["fit", f"--config={MULTITURN}", *extra, f"--model.policy={root / 'model'}"]
     args += [f"--data.path={root / 'train.jsonl'}", "--data.val_path=null", "--trainer.val_check_interval=1.0"]
     args += [f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
     args += ["--trainer.enable_checkpointing=false", "--export=none", f"--trainer.default_root_dir={root / out}"]
-    main(args)
+    command(args)
     metrics = next((root / out).rglob("metrics.csv"))
     return [row for row in csv.DictReader(metrics.open()) if row.get("reward/mean")]
 
@@ -43,6 +43,22 @@ def test_the_episode_reward_rises(assets):
     rewards = [float(row["reward/mean"]) for row in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert len(rewards) == 50 and last > first + 0.12, f"reward per step: {[round(r, 2) for r in rewards]}"
+
+
+def test_a_task_app_that_is_down_is_one_line_naming_it_not_a_traceback(assets, capsys):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = ["--model.engine.init_args.env=gpo.envs.TaskApp", f"--model.engine.init_args.env.task_url=http://127.0.0.1:{port}",
+           "--model.engine.init_args.env.health_max_wait_s=0.5"]  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        fit(assets, "down", 1, *app, command=run)  # what the gpo command prints
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert f"gpo fit: error: task app at task_url=http://127.0.0.1:{port}" in err and "health_max_wait_s" in err
 
 
 def test_a_task_app_and_judges_blend_through_the_mixer(assets, tmp_path):
