@@ -75,6 +75,16 @@ class StepProgressBar(TQDMProgressBar):
             self._redrawn_at = now
 
     @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """Close the bars still drawn and end their line: the error that stopped the run is printed on its own."""
+        bars = (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar)
+        drawn = [bar for bar in bars if bar is not None and not bar.disable]
+        for bar in drawn:
+            bar.close()
+        if drawn:
+            drawn[0].fp.write("\n")
+
+    @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         return {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in metrics.items()}

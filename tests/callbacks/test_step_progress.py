@@ -136,3 +136,20 @@ def test_a_run_resumed_from_a_checkpoint_written_mid_epoch_counts_on_too(tmp_pat
     resumed, rows = fit(tmp_path / "second", StepProgressBar(), max_steps=10, ckpt_path=checkpoint)
     assert rows == [(8, 10, 8), (10, 10, 10)]
     assert resumed.progress_bar_callback.train_progress_bar.desc.startswith("Epoch 0, step")
+
+
+class FailsAtBatch3(TwoStepsPerBatch):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3:
+            raise ValueError("a reward function failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, capsys):
+    """gpo prints the error next: on a line of its own, not after the bar's last redraw."""
+    trainer = L.Trainer(max_steps=20, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="a reward function failed"):
+        trainer.fit(FailsAtBatch3())
+    out = capsys.readouterr().out
+    assert "step" in out and out.endswith("\n"), repr(out[-200:])
