@@ -148,6 +148,15 @@ model:
         pytest.param(("--model.optim.lr_schedule=cosin",),
                      "model.optim.lr_schedule: cosin is not one of constant, linear, cosine; did you mean cosine?",
                      id="literal_choices"),
+        pytest.param(("--model.algorithm=Custom", "--model.algorithm.advantage=gpo.algo.ClipGate"),
+                     "ClipGate is a gpo RatioGate, which this setting does not take.", id="part_of_another_kind"),
+        pytest.param(("--model.algorithm=Custom", "--model.algorithm.aggregator=gpo.algo.LossAggregator"),
+                     "LossAggregator is abstract: it does not implement normaliser, numerator.", id="abstract_part"),
+        pytest.param(("--model.algorithm=Custom", "--model.algorithm.gate=gpo.algo.ClipGte"),
+                     "did you mean gpo.algo.ClipGate?", id="misspelt_class"),
+        pytest.param(("--model.algorithm=Custom", '--model.algorithm.gate={"class_path": "gpo.algo.ClipGate", '
+                      '"init_arg": {"clip_low": 0.1}}'), "a class_path block takes class_path and init_args",
+                     id="misspelt_init_args"),
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

@@ -77,6 +77,8 @@ _LITERAL = re.compile(r"typing\.Literal\[(.*?)\]")
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]$", re.MULTILINE)  # a union's member types
 _EXPECTED = re.compile(r"Expected a (.*?)(?:\. Got value|$)", re.MULTILINE)
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
+_NOT_A_CLASS = re.compile(r"Expected a path but ([\w.]+) either not accessible or invalid")
+_ABSTRACT_TYPE = re.compile(r"Expected an instantiatable class, but ([\w.]+) is abstract")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
 _NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
@@ -118,6 +120,7 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         lines.extend(_hints(key, known))
     if key is not None and key.startswith("model.algorithm"):
         lines.extend(_algorithm_hints(key, message))
+    lines.extend(_class_hints(message))
     return "\n".join([*lines, *moved])
 
 
@@ -269,6 +272,33 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
         ]
     guess = did_you_mean(name, [cls.__name__ for cls in PRESETS])
     return [guess] if guess else []
+
+
+def _class_hints(message: str) -> list[str]:
+    """Why a ``class_path`` was not taken: a misspelt class (the closest name in its module), an abstract class (the
+    methods it lacks), a class of another kind (the gpo part it is); or, when jsonargparse fell back to the setting's
+    abstract type, a class_path block whose keys it did not read."""
+    path = _NOT_A_CLASS.search(message)
+    if path is None:
+        abstract = _ABSTRACT_TYPE.search(message)
+        return ["a class_path block takes class_path and init_args: check their spelling."] if abstract else []
+    module_name, _, name = path.group(1).rpartition(".")
+    cls = _import(path.group(1))
+    if cls is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return []
+        guess = did_you_mean(
+            name, [n for n in dir(module) if inspect.isclass(getattr(module, n))], f"{module_name}.{{}}"
+        )
+        return [guess] if guess else []
+    if not inspect.isclass(cls):
+        return [f"{path.group(1)} is not a class."]
+    if inspect.isabstract(cls):
+        return [f"{cls.__name__} is abstract: it does not implement {', '.join(sorted(cls.__abstractmethods__))}."]
+    kinds = [base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("gpo.")]
+    return [f"{cls.__name__} is a gpo {kinds[-1]}, which this setting does not take."] if kinds else []
 
 
 def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
