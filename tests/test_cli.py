@@ -157,6 +157,11 @@ model:
         pytest.param(("--model.algorithm=Custom", '--model.algorithm.gate={"class_path": "gpo.algo.ClipGate", '
                       '"init_arg": {"clip_low": 0.1}}'), "a class_path block takes class_path and init_args",
                      id="misspelt_init_args"),
+        pytest.param(("--model.algorithm=DAPO", "--model.algorithm.clip_high=-1"),
+                     "gpo fit: error: DAPO: clip_low=0.2, clip_high=-1.0 give the interval", id="whose_check_dapo"),
+        pytest.param(("--model.algorithm=Custom", "--model.algorithm.gate=ClipGate",
+                      "--model.algorithm.gate.dual_clip=0.5"), "gpo fit: error: ClipGate: dual_clip=0.5 must be > 1",
+                     id="whose_check_part"),
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

@@ -97,12 +97,37 @@ def run(argv: list[str] | None = None) -> None:
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         files = config_files(args)
         text = explain(str(error), files, known_groups())
+        owner = refusing_class(error)
+        if owner is not None and owner not in text:  # ClipGate: dual_clip=0.5 must be > 1
+            text = f"{owner}: {text}"
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
         lists = "the settings" if command != "gpo" else "the commands"  # no command, or an unknown one
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists {lists})",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
+
+
+#: Classes whose refusals name their settings by their full key already (model.optim.lr=...), or that only run others.
+NAMED_BY_KEY = ("GPOModule", "PromptDataModule", "GPOCLI")
+#: Libraries whose constructors are not the part a user configured.
+LIBRARIES = ("lightning", "jsonargparse", "transformers", "torch", "peft", "argparse")
+
+
+def refusing_class(error: BaseException) -> str | None:
+    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` outside the
+    libraries in the first exception of the chain), unless its messages name their full key already: a part's own
+    check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not whose."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    owner, trace = None, error.__traceback__
+    while trace is not None:
+        instance = trace.tb_frame.f_locals.get("self") if trace.tb_frame.f_code.co_name == "__init__" else None
+        if instance is not None and not type(instance).__module__.startswith(LIBRARIES):
+            owner = type(instance).__name__
+            break  # the outermost: DAPO, not the ClipGate it builds
+        trace = trace.tb_next
+    return None if owner in NAMED_BY_KEY else owner
 
 
 def is_user_error(error: Exception) -> bool:
