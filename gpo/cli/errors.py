@@ -283,6 +283,8 @@ def _class_hints(message: str) -> list[str]:
         abstract = _ABSTRACT_TYPE.search(message)
         return ["a class_path block takes class_path and init_args: check their spelling."] if abstract else []
     module_name, _, name = path.group(1).rpartition(".")
+    if not module_name:  # a plain value where a class or settings belong: jsonargparse's own account says it
+        return []
     cls = _import(path.group(1))
     if cls is None:
         try:
