@@ -323,10 +323,11 @@ class StepBatch:
 
 def combine_micro_batches(measured: list[tuple[Tensor, Metrics]]) -> Metrics:
     """One value per key over a step's updates, each ``(tokens it kept in the loss, its metrics)``: keys ending in
-    ``/min`` and ``/max`` the extremes over the micro-batches that kept a token, every other key the mean weighted by
-    those tokens (a micro-batch without tokens, whose statistics read 0, has no say; token means come out exactly as
-    over the whole step). A key missing from a micro-batch counts as 0 there; a single record is returned as it is,
-    with no tensor operation."""
+    ``min`` or ``max`` the extremes over the micro-batches that kept a token, every other key the mean weighted by
+    those tokens (a micro-batch without tokens, whose statistics read 0, has no say). Token means come out as over the
+    whole step; means over sequences (``seq_ratio/mean``, GSPO's clip fractions) are weighted by tokens too, close to
+    but not exactly the step's. A key missing from a micro-batch counts as 0 there; a single record is returned as it
+    is, with no tensor operation."""
     if len(measured) == 1:
         return dict(measured[0][1])
     tokens = torch.stack([kept for kept, _ in measured]).float()  # [K]
@@ -334,8 +335,8 @@ def combine_micro_batches(measured: list[tuple[Tensor, Metrics]]) -> Metrics:
     out: Metrics = {}
     for key in dict.fromkeys(key for _, metrics in measured for key in metrics):
         values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for _, metrics in measured]).float()
-        if key.endswith(("/min", "/max")):
-            low = key.endswith("/min")
+        if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
+            low = key.endswith("min")
             extreme = torch.where(some, values, math.inf if low else -math.inf)
             out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
         else:

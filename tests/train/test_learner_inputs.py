@@ -125,8 +125,8 @@ def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes
     assert combine_micro_batches([(torch.tensor(5), one)])["entropy"] is one["entropy"]  # one update: as it is
 
     def stats(entropy, low, high, **more):
-        return {"entropy": torch.tensor(entropy), "ratio/min": torch.tensor(low), "ratio/max": torch.tensor(high),
-                **{key: torch.tensor(value) for key, value in more.items()}}  # fmt: skip
+        values = {"entropy": entropy, "ratio/min": low, "ratio/max": high, "vespo/weight_max": high, **more}
+        return {key: torch.tensor(value) for key, value in values.items()}
 
     # micro-batches keeping 6, 0, 3 and 1 tokens: the empty one reads 0 and has no say; "clip" only in some
     measured = [
@@ -139,3 +139,4 @@ def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes
     assert out["entropy"].item() == pytest.approx((6 * 1 + 3 * 2 + 6) / 10)
     assert out["clip"].item() == pytest.approx((6 * 0.5 + 3 * 1.0) / 10)
     assert out["ratio/min"].item() == pytest.approx(0.8) and out["ratio/max"].item() == pytest.approx(1.3)
+    assert out["vespo/weight_max"].item() == pytest.approx(1.3)
