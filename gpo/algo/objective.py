@@ -15,6 +15,8 @@ from gpo.algo.masks import TokenMask
 from gpo.algo.regularizers import EntropyBonus, KLPenalty
 from gpo.algo.weighting import TokenWeight
 
+#: The metric counting the tokens the gate's loss covers (after the per-update masks): what its statistics are over.
+LOSS_TOKENS = "train/loss_tokens"
 #: What the objective always has in a gradient pass; parts naming only these need nothing more from the trainer.
 ALWAYS_GIVEN = frozenset({"logp", "old_logp", "adv", "entropy"})
 
@@ -115,7 +117,7 @@ class PolicyObjective:
             kept, metrics = torch.where(keep, kept, 0), {**metrics, **mask_metrics}  # [B, T]
         per_token, gate_metrics = checked_gate_output(self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given)),
                                                       self.gate, mask, logp)  # fmt: skip
-        metrics = {**metrics, **gate_metrics}
+        metrics = {**metrics, **gate_metrics, LOSS_TOKENS: kept.detach().sum().float()}
         if self.kl is not None:
             if ref_logp is None:
                 raise ValueError("the KL loss term needs ref_logp (reference log-probs of the same tokens).")

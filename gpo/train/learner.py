@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
 from gpo.algo.gates.base import Metrics
-from gpo.algo.objective import ALWAYS_GIVEN, PolicyObjective
+from gpo.algo.objective import ALWAYS_GIVEN, LOSS_TOKENS, PolicyObjective
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
@@ -164,7 +164,7 @@ class Learner:
         adv = self.objective.weigh(adv, mask, **inputs)
         batch = StepBatch(rollout, adv, mask, inputs, rollout.lengths.tolist())
         zero = torch.zeros((), device=backend.device)
-        measured: list[tuple[Tensor, Metrics]] = []  # (tokens in the loss, a micro-batch's metrics)
+        measured: list[Metrics] = []  # each micro-batch's objective metrics
         losses, norms, skipped = [], [], 0
         bounds = collectives.minibatch_bounds(len(rollout), self.optim.number_of_minibatches)
         for epoch in range(self.optim.ppo_epochs):
@@ -226,11 +226,11 @@ class Learner:
 
     def _minibatch(
         self, batch: StepBatch, order: Tensor | None, start: int, stop: int, backend: Backend,
-        measured: list[tuple[Tensor, Metrics]],
+        measured: list[Metrics],
     ) -> tuple[Tensor, Tensor] | None:  # fmt: skip
         """One optimiser update on the rows at positions ``start:stop`` of ``order`` (None: the rows in order);
-        appends each micro-batch's diagnostics to ``measured`` with the tokens it kept in the loss; returns the
-        update's loss and gradient norm, or None when it was skipped (not finite)."""
+        appends each micro-batch's diagnostics to ``measured``; returns the update's loss and gradient norm, or None
+        when it was skipped (not finite)."""
         minibatch = batch.rows(order, start, stop)
         normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(batch.mask[minibatch.index]))
         size = self.optim.micro_batch_size or stop - start
@@ -244,8 +244,7 @@ class Learner:
             with backend.gradient_sync(index == len(micros) - 1):
                 backend.backward(loss)
             losses.append(loss.detach())  # micro-batch losses add up to the minibatch loss
-            kept = batch.mask[micro.index, : micro.width].sum()
-            measured.append((kept, {key: value.detach() for key, value in metrics.items()}))
+            measured.append({key: value.detach() for key, value in metrics.items()})
         loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
         scale = backend.scaler.get_scale() if backend.scaler is not None else 1.0  # 16-mixed: a second host sync
         norm = self._clip(scale)
@@ -321,20 +320,20 @@ class StepBatch:
         return Rows(picked.to(self.mask.device), width, stop - start)
 
 
-def combine_micro_batches(measured: list[tuple[Tensor, Metrics]]) -> Metrics:
-    """One value per key over a step's updates, each ``(tokens it kept in the loss, its metrics)``: keys ending in
-    ``min`` or ``max`` the extremes over the micro-batches that kept a token, every other key the mean weighted by
-    those tokens (a micro-batch without tokens, whose statistics read 0, has no say). Token means come out as over the
-    whole step; means over sequences (``seq_ratio/mean``, GSPO's clip fractions) are weighted by tokens too, close to
-    but not exactly the step's. A key missing from a micro-batch counts as 0 there; a single record is returned as it
-    is, with no tensor operation."""
+def combine_micro_batches(measured: list[Metrics]) -> Metrics:
+    """One value per key over a step's updates, from each micro-batch's objective metrics: ``LOSS_TOKENS`` (the tokens
+    the gate's loss covered) summed; keys ending in ``min`` or ``max`` the extremes over the micro-batches with such
+    tokens; every other key the mean weighted by them (a micro-batch whose masks left no token, whose statistics read
+    0, has no say). Token means come out as over the whole step; means over sequences (``seq_ratio/mean``, GSPO's clip
+    fractions) are weighted by tokens too, close to but not exactly the step's. A key missing from a micro-batch counts
+    as 0 there; a single record is returned as it is, with no tensor operation."""
     if len(measured) == 1:
-        return dict(measured[0][1])
-    tokens = torch.stack([kept for kept, _ in measured]).float()  # [K]
+        return dict(measured[0])
+    tokens = torch.stack([metrics[LOSS_TOKENS] for metrics in measured])  # [K]
     some = tokens > 0
-    out: Metrics = {}
-    for key in dict.fromkeys(key for _, metrics in measured for key in metrics):
-        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for _, metrics in measured]).float()
+    out: Metrics = {LOSS_TOKENS: tokens.sum()}
+    for key in dict.fromkeys(key for metrics in measured for key in metrics if key != LOSS_TOKENS):
+        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for metrics in measured]).float()
         if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
             low = key.endswith("min")
             extreme = torch.where(some, values, math.inf if low else -math.inf)
