@@ -39,14 +39,14 @@ class GPOCLI(LightningCLI):
         # Only a help request gets the focused help: jsonargparse leaves the settings it hides out of every config it
         # writes too (--print_config, each run's config.yaml), and a run made again from those would lose them.
         self.focused_help = isinstance(argv, list | tuple) and bool({"--help", "-h"} & set(argv))
-        self.made_loggers = False  # whether the run logs with gpo's default loggers (instantiate_trainer)
+        self.new_version = False  # whether gpo's default loggers start a new version_N folder (instantiate_trainer)
         super().__init__(*args, **kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
-            if self.made_loggers:  # a run refused at set-up leaves no version_N folder behind to skip a number
+            if self.new_version:  # a run refused at set-up leaves no version_N folder behind to skip a number
                 discard_unused_version(self.trainer)
             raise
 
@@ -97,7 +97,7 @@ class GPOCLI(LightningCLI):
         if trainer.get("logger") in (None, True) and "logger" not in kwargs:
             resuming = self.subcommand == "fit" and self._get(self.config_init, "ckpt_path") is not None
             kwargs["logger"] = default_loggers(root, resume=resuming)
-            self.made_loggers = True
+            self.new_version = not resuming
         configured = _as_list(trainer.get("callbacks"))
         callbacks = [*configured, *(self._get(self.config_init, k) for k in self._callback_keys())]
         added = []

@@ -192,12 +192,13 @@ def resumed_version(logs: Path, next_free: int) -> int:
 
 
 def discard_unused_version(trainer: Trainer) -> None:
-    """Remove the ``version_N`` folder of a run that stopped before its first step (a setting refused at set-up) if
-    it holds only what every start writes there (``config.yaml``, TensorBoard's first event file), so that the next
-    run takes its number. A folder holding anything else (a resumed run's metrics) is kept. Global rank 0 only."""
-    if not trainer.is_global_zero or trainer.global_step > 0 or trainer.log_dir is None:
+    """Remove the new ``version_N`` folder of a run that stopped before its first training batch (a setting refused at
+    set-up) if it holds only what every start writes there (``config.yaml``, TensorBoard's first event file), so that
+    the next run takes its number. Call it only for a folder this run created (not a resumed one). Global rank 0 alone
+    touches the disk; no collective (the other processes may have stopped already)."""
+    if not trainer.is_global_zero or trainer.global_step > 0 or trainer.fit_loop.epoch_loop.total_batch_idx >= 0:
         return
-    folder = Path(trainer.log_dir)
+    folder = Path(trainer.loggers[0].log_dir)
     files = {path.relative_to(folder) for path in folder.rglob("*") if path.is_file()}
     events = {path for path in files if path.parent == Path("tb") and path.name.startswith("events.out.tfevents.")}
     if folder.is_dir() and files - events <= {Path("config.yaml")} and len(events) <= 1:
