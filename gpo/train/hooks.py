@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.suggest import did_you_mean
@@ -31,13 +32,15 @@ class RolloutCallback(Callback):
 
     A subclass method named ``on_...`` that is none of Lightning's hooks nor these two is refused when the class is
     defined: a misspelt hook would otherwise never run. A module that never runs a hook the subclass overrides (its
-    ``training_step`` lacks the ``run_*_hooks`` call) is warned about once, ``HOOK_CHECK_BATCHES`` batches into the
-    fit; a subclass that overrides ``on_train_batch_start`` calls ``super().on_train_batch_start(...)`` to keep that.
+    ``training_step`` lacks the ``run_*_hooks`` call) is warned about once, ``HOOK_CHECK_STEPS`` optimiser steps into
+    the fit; a subclass that overrides ``on_train_batch_start`` calls ``super().on_train_batch_start(...)`` to keep
+    that check.
     """
 
     # class defaults: a subclass need not call __init__; run_prompt_hooks and run_rollout_hooks record the hooks run
     _hooks_ran: frozenset[str] = frozenset()
-    _batches_started = 0
+    _first_step: int | None = None
+    _hooks_checked = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -48,15 +51,23 @@ class RolloutCallback(Callback):
                 hint = f"; {guess}" if guess else f"; the rollout hooks are {ROLLOUT_HOOKS}."
                 raise TypeError(f"{cls.__name__}.{name} is not a hook of Lightning's Callback or RolloutCallback{hint}")
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batches_started += 1
-        if self._batches_started != HOOK_CHECK_BATCHES + 1:
+        """Once, ``HOOK_CHECK_STEPS`` optimiser steps into this process's run, warn about each overridden rollout hook
+        that has not run: the module's ``training_step`` lacks its call. Steps, not batches: a pipelined GPOModule's
+        first batches only fill its queue, and a skipped step takes none."""
+        if self._hooks_checked:
             return
+        if self._first_step is None:
+            self._first_step = trainer.global_step
+        if trainer.global_step - self._first_step < HOOK_CHECK_STEPS:
+            return
+        self._hooks_checked = True
         for name, call in HOOK_CALLS.items():
             overridden = getattr(type(self), name) is not getattr(RolloutCallback, name)
             if overridden and name not in self._hooks_ran:
                 rank_zero_warn(
-                    f"{type(self).__name__}.{name} has not run in {HOOK_CHECK_BATCHES} training batches, so it does "
+                    f"{type(self).__name__}.{name} has not run in {HOOK_CHECK_STEPS} optimiser steps, so it does "
                     f"nothing: {type(pl_module).__name__}.training_step must call {call} (GPOModule does)."
                 )
 
@@ -74,8 +85,8 @@ HOOK_CALLS = {
     "on_rollout_end": "gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring",
 }
 ROLLOUT_HOOKS = tuple(HOOK_CALLS)
-#: Training batches after which a rollout hook that never ran is warned about (pipelined runs fill for fewer).
-HOOK_CHECK_BATCHES = 10
+#: Optimiser steps after which a rollout hook that never ran is warned about.
+HOOK_CHECK_STEPS = 10
 
 
 def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any]:
