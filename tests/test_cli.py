@@ -162,6 +162,9 @@ model:
         pytest.param(("--model.algorithm=Custom", "--model.algorithm.gate=ClipGate",
                       "--model.algorithm.gate.dual_clip=0.5"), "gpo fit: error: ClipGate: dual_clip=0.5 must be > 1",
                      id="whose_check_part"),
+        pytest.param(("--model.algorithm=RLOO", "--model.algorithm.ppo_clip.dual_clip=0.5"),
+                     "gpo fit: error: PPOClip: dual_clip=0.5 must be > 1", id="whose_check_ppo_clip"),
+        pytest.param(("--model.optim.lr=-1",), "gpo fit: error: model.optim.lr=-1.0 must be > 0", id="named_by_key"),
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

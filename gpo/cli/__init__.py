@@ -5,7 +5,9 @@ transformers). ``gpo --help`` lists them."""
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 
 from jsonargparse import ArgumentError
 
@@ -98,7 +100,7 @@ def run(argv: list[str] | None = None) -> None:
         files = config_files(args)
         text = explain(str(error), files, known_groups())
         owner = refusing_class(error)
-        if owner is not None and owner not in text:  # ClipGate: dual_clip=0.5 must be > 1
+        if owner is not None and owner not in text and not FULL_KEY.match(text):  # ClipGate: dual_clip=0.5 ...
             text = f"{owner}: {text}"
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
@@ -108,26 +110,35 @@ def run(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-#: Classes whose refusals name their settings by their full key already (model.optim.lr=...), or that only run others.
+#: Classes whose refusals name their settings by their full key already, or that only run others.
 NAMED_BY_KEY = ("GPOModule", "PromptDataModule", "GPOCLI")
-#: Libraries whose constructors are not the part a user configured.
-LIBRARIES = ("lightning", "jsonargparse", "transformers", "torch", "peft", "argparse")
+#: A message that opens with a setting's full key (model.optim.lr=-1.0 ...) says whose it is already.
+FULL_KEY = re.compile(r"(model|data|trainer)\.[\w.]+")
 
 
 def refusing_class(error: BaseException) -> str | None:
-    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` outside the
-    libraries in the first exception of the chain), unless its messages name their full key already: a part's own
-    check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not whose."""
+    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` of a
+    configured part, ``is_configured_part``, in the first exception of the chain), unless it is one whose messages name
+    their full key already: a part's own check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not
+    whose."""
     while (error.__cause__ or error.__context__) is not None:
         error = error.__cause__ or error.__context__
     owner, trace = None, error.__traceback__
     while trace is not None:
         instance = trace.tb_frame.f_locals.get("self") if trace.tb_frame.f_code.co_name == "__init__" else None
-        if instance is not None and not type(instance).__module__.startswith(LIBRARIES):
+        if instance is not None and is_configured_part(type(instance)):
             owner = type(instance).__name__
             break  # the outermost: DAPO, not the ClipGate it builds
         trace = trace.tb_next
     return None if owner in NAMED_BY_KEY else owner
+
+
+def is_configured_part(cls: type) -> bool:
+    """Whether ``cls`` is gpo's or the user's own (a module under the working directory), not a library's."""
+    if cls.__module__ == "gpo" or cls.__module__.startswith("gpo."):
+        return True
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return source is not None and Path(source).resolve().is_relative_to(Path.cwd())
 
 
 def is_user_error(error: Exception) -> bool:

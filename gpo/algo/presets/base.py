@@ -102,6 +102,9 @@ class PPOClip:
     clip_high: float = 0.5
     dual_clip: float | None = None
 
+    def __post_init__(self) -> None:
+        self.gate()  # refused here, where the settings are, not by the preset that builds the gate later
+
     def gate(self) -> ClipGate:
         return ClipGate(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip)
 
