@@ -54,9 +54,12 @@ def export_checkpoint(
 
     settings = _run_settings(Path(config))
     if Path(checkpoint).is_dir():
+        sharded = any(Path(checkpoint).glob("*.distcp"))
         raise ValueError(
             f"{checkpoint} is a folder of per-process shards (FSDP); gpo export reads a single-file checkpoint, which "
             "FSDP runs write with --trainer.strategy.init_args.save_distributed_checkpoint false."
+            if sharded
+            else f"{checkpoint} is a folder; give a .ckpt file (gpo export CONFIG CKPT OUT)."
         )
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (gpo export CONFIG CKPT OUT).")
@@ -80,7 +83,8 @@ def export_checkpoint(
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # a weight of another shape: another LoRA rank, another model size
         shapes = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
-        raise ValueError(f"{mismatch}: {len(shapes)} weights differ in shape, e.g. {shapes[:1]}; {fix}.") from None
+        found = f"{len(shapes)} weights differ in shape, e.g. {shapes[0]}" if shapes else str(err).splitlines()[0]
+        raise ValueError(f"{mismatch}: {found}; {fix}.") from None
     missing = [key for key in missing if not key.endswith("lm_head.weight")]  # tied to the input embedding
     if missing or unexpected:
         raise ValueError(

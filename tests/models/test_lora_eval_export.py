@@ -187,7 +187,10 @@ def test_export_refuses_swapped_arguments_a_missing_checkpoint_and_an_adapter_of
     }
     (tmp_path / "weights.bin").write_bytes(b"\x80\x02binary")
     cases[(str(tmp_path / "weights.bin"), str(checkpoint))] = "weights.bin is not a YAML config (UnicodeDecodeError)"
-    cases[(str(config), str(tmp_path))] = "is a folder of per-process shards (FSDP); gpo export reads a single-file"
+    cases[(str(config), str(tmp_path))] = f"{tmp_path} is a folder; give a .ckpt file"
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "__0_0.distcp").write_bytes(b"")
+    cases[(str(config), str(tmp_path / "shards"))] = "is a folder of per-process shards (FSDP); gpo export reads a"
     cases[("quickstrat", str(checkpoint))] = (
         "CONFIG quickstrat: no such file here, and gpo ships no config of that name"
     )
