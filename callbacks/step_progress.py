@@ -80,9 +80,10 @@ class StepProgressBar(TQDMProgressBar):
         bars = (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar)
         drawn = [bar for bar in bars if bar is not None and not bar.disable]
         for bar in drawn:
-            bar.close()
-        if drawn:
-            drawn[0].fp.write("\n")
+            bar.close()  # a bar kept on screen (leave) ends its line; one that is not is cleared from it
+        cleared = [bar for bar in drawn if not bar.leave]
+        if cleared and len(cleared) == len(drawn):
+            cleared[0].fp.write("\n")
 
     @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:

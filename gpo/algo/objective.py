@@ -176,9 +176,9 @@ def checked_gate_output(out: object, gate: RatioGate, mask: Tensor, logp: Tensor
     if torch.is_grad_enabled() and logp.requires_grad and not loss.requires_grad:
         raise ValueError(f"{name} returned a per_token_loss without gradient (detached from logp): the policy would "
                          "not learn from it.")  # fmt: skip
-    strays = sorted(key for key, value in metrics.items() if not isinstance(value, Tensor))
+    strays = sorted(key for key, value in metrics.items() if not isinstance(value, Tensor) or value.ndim != 0)
     if strays:
-        raise ValueError(f"{name} returned metrics {strays} that are not tensors; give detached 0-d tensors.")
+        raise ValueError(f"{name} returned metrics {strays} that are not 0-d tensors; give one detached value each.")
     return loss, metrics
 
 

@@ -141,10 +141,16 @@ def require_source(callback: Callback, pl_module: LightningModule, reads: tuple[
     """Refuse, when a callback is set up, a module that does not declare ``RolloutSource`` or has not set the members
     the callback ``reads`` of it (``purpose``: what for, in the message)."""
     declared = isinstance(pl_module, RolloutSource)
-    missing = [name for name in reads if not hasattr(pl_module, name)] if declared else list(reads)
+    missing = [name for name in reads if not _provides(pl_module, name)] if declared else list(reads)
     if missing:
         module, fix = type(pl_module).__name__, "set them" if declared else "mix gpo.train.hooks.RolloutSource into it"
         state = f"has not set {', '.join(missing)}" if declared else "does not declare them"
         raise TypeError(
             f"{type(callback).__name__} reads the module's {', '.join(reads)}{purpose}, and {module} {state}: {fix}."
         )
+
+
+def _provides(module: RolloutSource, name: str) -> bool:
+    """Whether ``module`` has set ``name``, or implemented it when ``RolloutSource`` declares it as a method."""
+    declared = vars(RolloutSource).get(name)
+    return getattr(type(module), name, None) is not declared if callable(declared) else hasattr(module, name)

@@ -81,7 +81,8 @@ class Returns(RatioGate):
          r"\(per_token_loss\[B, T\], metrics\)"),
         (Returns(lambda logp, adv: (-adv * logp).sum(-1)), r"per_token_loss of shape \[4\]; .* \[B, T\] = \[4, 3\]"),
         (Returns(lambda logp, adv: (-adv * logp).detach()), r"a per_token_loss without gradient \(detached"),
-        (Returns(lambda logp, adv: -adv * logp, {"x": 0.5}), r"metrics \['x'\] that are not tensors"),
+        (Returns(lambda logp, adv: -adv * logp, {"x": 0.5, "y": torch.zeros(4)}), r"metrics \['x', 'y'\] that are "
+         r"not 0-d"),
     ],
 )  # fmt: skip
 def test_a_gate_output_outside_the_contract_is_refused_by_name(gate, message):

@@ -152,4 +152,4 @@ def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, caps
     with pytest.raises(ValueError, match="a reward function failed"):
         trainer.fit(FailsAtBatch3())
     out = capsys.readouterr().out
-    assert "step" in out and out.endswith("\n"), repr(out[-200:])
+    assert "step" in out and out.endswith("\n") and not out.endswith("\n\n"), repr(out[-200:])

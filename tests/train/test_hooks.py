@@ -55,6 +55,10 @@ class PolicyOnly(RolloutSource, L.LightningModule):
             r"scorer, tokenizer",
         ),
         (RolloutMonitor(compute_entropy=True), r"reads the module's scorer for compute_entropy .*has not set scorer"),
+        (
+            DynamicSampling(max_rounds=2),
+            r"reads the module's draw_rollout to draw more groups .*has not set draw_rollout",
+        ),
     ],
 )
 def test_a_callback_refuses_at_setup_a_module_that_has_not_set_what_it_reads(callback, message):
