@@ -62,10 +62,15 @@ def test_minibatches_that_do_not_divide_a_ranks_share_are_refused_with_the_valid
         check_minibatches(prompts_per_step=4, group_size=3, number_of_minibatches=4, ranks=2)
 
 
+class Draws(RolloutSource):
+    def draw_rollout(self):
+        raise AssertionError("setup draws nothing")
+
+
 def test_dynamic_sampling_num_groups_is_global_and_must_split_over_the_processes():
-    DynamicSampling(num_groups=4).setup(SimpleNamespace(world_size=2), RolloutSource(), "fit")
+    DynamicSampling(num_groups=4).setup(SimpleNamespace(world_size=2), Draws(), "fit")
     with pytest.raises(ValueError, match=r"num_groups=3 is global.*2 processes"):
-        DynamicSampling(num_groups=3).setup(SimpleNamespace(world_size=2), RolloutSource(), "fit")
+        DynamicSampling(num_groups=3).setup(SimpleNamespace(world_size=2), Draws(), "fit")
 
 
 def test_without_a_process_group_every_collective_returns_its_input():
