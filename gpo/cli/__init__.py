@@ -5,15 +5,13 @@ transformers). ``gpo --help`` lists them."""
 from __future__ import annotations
 
 import os
-import re
 import sys
-from pathlib import Path
 
 from jsonargparse import ArgumentError
 
 from gpo import lazy_exports
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
-from gpo.cli.errors import explain, setup_steps
+from gpo.cli.errors import explain, setup_steps, with_owner
 from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
 from gpo.suggest import did_you_mean
@@ -98,47 +96,13 @@ def run(argv: list[str] | None = None) -> None:
             raise
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         files = config_files(args)
-        text = explain(str(error), files, known_groups())
-        owner = refusing_class(error)
-        if owner is not None and owner not in text and not FULL_KEY.match(text):  # ClipGate: dual_clip=0.5 ...
-            text = f"{owner}: {text}"
+        text = with_owner(explain(str(error), files, known_groups()), error)
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
         lists = "the settings" if command != "gpo" else "the commands"  # no command, or an unknown one
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists {lists})",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
-
-
-#: Classes whose refusals name their settings by their full key already, or that only run others.
-NAMED_BY_KEY = ("GPOModule", "PromptDataModule", "GPOCLI")
-#: A message that opens with a setting's full key (model.optim.lr=-1.0 ...) says whose it is already.
-FULL_KEY = re.compile(r"(model|data|trainer)\.[\w.]+")
-
-
-def refusing_class(error: BaseException) -> str | None:
-    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` of a
-    configured part, ``is_configured_part``, in the first exception of the chain), unless it is one whose messages name
-    their full key already: a part's own check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not
-    whose."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    owner, trace = None, error.__traceback__
-    while trace is not None:
-        instance = trace.tb_frame.f_locals.get("self") if trace.tb_frame.f_code.co_name == "__init__" else None
-        if instance is not None and is_configured_part(type(instance)):
-            owner = type(instance).__name__
-            break  # the outermost: DAPO, not the ClipGate it builds
-        trace = trace.tb_next
-    return None if owner in NAMED_BY_KEY else owner
-
-
-def is_configured_part(cls: type) -> bool:
-    """Whether ``cls`` is gpo's or the user's own (a module under the working directory), not a library's."""
-    if cls.__module__ == "gpo" or cls.__module__.startswith("gpo."):
-        return True
-    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return source is not None and Path(source).resolve().is_relative_to(Path.cwd())
 
 
 def is_user_error(error: Exception) -> bool:

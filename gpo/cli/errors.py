@@ -12,6 +12,7 @@ import importlib
 import inspect
 import itertools
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
 #: What ``_lookup`` returns for a key a config does not set (None is a value a config may set).
 _MISSING = object()
+
+
+#: Classes whose refusals name their settings by their full key already, or that only run others.
+NAMED_BY_KEY = ("GPOModule", "PromptDataModule", "GPOCLI")
+#: A message that opens with a setting's full key (model.optim.lr=-1.0 ...) says whose it is already.
+FULL_KEY = re.compile(r"(model|data|trainer)\.[\w.]+")
 
 
 def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
@@ -370,3 +377,35 @@ def _lookup(tree: Any, parts: list[str]) -> Any:
             return _lookup(init_args, parts[index:]) if isinstance(init_args, dict) else _MISSING
         tree = tree[part]
     return tree
+
+
+def refusing_class(error: BaseException) -> str | None:
+    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` of a
+    configured part, ``is_configured_part``, in the first exception of the chain), unless it is one whose messages name
+    their full key already: a part's own check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not
+    whose."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    owner, trace = None, error.__traceback__
+    while trace is not None:
+        instance = trace.tb_frame.f_locals.get("self") if trace.tb_frame.f_code.co_name == "__init__" else None
+        if instance is not None and is_configured_part(type(instance)):
+            owner = type(instance).__name__
+            break  # the outermost: DAPO, not the ClipGate it builds
+        trace = trace.tb_next
+    return None if owner in NAMED_BY_KEY else owner
+
+
+def is_configured_part(cls: type) -> bool:
+    """Whether ``cls`` is gpo's or the user's own (a module under the working directory), not a library's."""
+    if cls.__module__ == "gpo" or cls.__module__.startswith("gpo."):
+        return True
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return source is not None and Path(source).resolve().is_relative_to(Path.cwd())
+
+
+def with_owner(text: str, error: BaseException) -> str:
+    """``text``, the account of ``error``, opened by the class that refused the value (``refusing_class``) unless
+    it names it or the setting's full key already: ``ClipGate: dual_clip=0.5 must be > 1``."""
+    owner = refusing_class(error)
+    return f"{owner}: {text}" if owner is not None and owner not in text and not FULL_KEY.match(text) else text
