@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -160,6 +161,29 @@ class PolicyObjective:
     def load_state_dict(self, state: Mapping[str, dict[str, float]]) -> None:
         if "entropy" in state and self.adapts:
             self.entropy.adaptive.load_state_dict(state["entropy"])
+
+
+def combine_statistics(measured: list[Metrics]) -> Metrics:
+    """One value per key from the objective metrics of parts of a step (its micro-batches, or its ranks):
+    ``LOSS_TOKENS`` (the tokens the gate's loss covered) summed; keys ending in ``min`` or ``max`` the extremes over
+    the parts with such tokens; every other key the mean weighted by them (a part whose masks left no token, whose
+    statistics read 0, has no say). Token means come out as over the whole step; means over sequences
+    (``seq_ratio/mean``, GSPO's clip fractions) are weighted by tokens too, close to but not exactly the step's. A key
+    missing from a part counts as 0 there; a single record is returned as it is, with no tensor operation."""
+    if len(measured) == 1:
+        return dict(measured[0])
+    tokens = torch.stack([metrics[LOSS_TOKENS] for metrics in measured])  # [K]
+    some = tokens > 0
+    out: Metrics = {LOSS_TOKENS: tokens.sum()}
+    for key in dict.fromkeys(key for metrics in measured for key in metrics if key != LOSS_TOKENS):
+        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for metrics in measured]).float()
+        if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
+            low = key.endswith("min")
+            extreme = torch.where(some, values, math.inf if low else -math.inf)
+            out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
+        else:
+            out[key] = (values * tokens).sum() / tokens.sum().clamp_min(1)
+    return out
 
 
 def checked_gate_output(out: object, gate: RatioGate, mask: Tensor, logp: Tensor) -> tuple[Tensor, Metrics]:

@@ -116,13 +116,31 @@ def reduce_metrics(metrics: dict[str, Tensor], op: Literal["mean", "sum"]) -> di
     not distributed). Every rank must hold the same keys in the same order; a rank that does not is an error."""
     if not is_distributed() or not metrics:
         return metrics
+    keys, stacked = _stacked(metrics)
+    values = reduce_over_ranks(stacked, "sum") / (world_size() if op == "mean" else 1)  # [K]
+    return {key: value.to(metrics[key].dtype) for key, value in zip(keys, values, strict=True)}
+
+
+def gather_metrics(metrics: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    """Every rank's 0-d ``metrics``, in rank order, by one all-gather of them stacked (``[metrics]`` when not
+    distributed). Every rank must hold the same keys in the same order; a rank that does not is an error."""
+    if not is_distributed() or not metrics:
+        return [metrics]
+    keys, stacked = _stacked(metrics)
+    parts = [torch.empty_like(stacked) for _ in range(world_size())]
+    dist.all_gather(parts, stacked)
+    return [{key: value.to(metrics[key].dtype) for key, value in zip(keys, part, strict=True)} for part in parts]
+
+
+def _stacked(metrics: dict[str, Tensor]) -> tuple[list[str], Tensor]:
+    """The keys of ``metrics`` and their values stacked ``[K]`` in float64, after checking that every rank holds the
+    same keys in the same order."""
     keys = list(metrics)
     stacked = torch.stack([metrics[k].detach().to(torch.float64) for k in keys])  # [K]
     tag = torch.tensor(zlib.crc32("\n".join(keys).encode()), dtype=torch.float64, device=stacked.device)  # []
     if reduce_over_ranks(tag, "max") != reduce_over_ranks(tag, "min"):
         raise RuntimeError(f"the ranks logged different metrics ({len(keys)} here): every rank must log the same keys.")
-    values = reduce_over_ranks(stacked, "sum") / (world_size() if op == "mean" else 1)  # [K]
-    return {key: value.to(metrics[key].dtype) for key, value in zip(keys, values, strict=True)}
+    return keys, stacked
 
 
 def gather_step(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], slice]:

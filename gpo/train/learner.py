@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
 from gpo.algo.gates.base import Metrics
-from gpo.algo.objective import ALWAYS_GIVEN, LOSS_TOKENS, PolicyObjective
+from gpo.algo.objective import ALWAYS_GIVEN, PolicyObjective, combine_statistics
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
@@ -176,7 +176,7 @@ class Learner:
                 else:
                     losses.append(applied[0])
                     norms.append(applied[1])
-        out = combine_micro_batches(measured)
+        out = combine_statistics(measured)
         out["loss"], out["grad/norm"] = (mean(losses), mean(norms)) if losses else (zero + math.nan, zero + math.nan)
         out["train/nonfinite_skipped"] = zero + skipped
         out["train/lr"] = zero + backend.optimizer.param_groups[0]["lr"]
@@ -318,29 +318,6 @@ class StepBatch:
         picked = order[start:stop]
         width = max([1, *(self.lengths[row] for row in picked.tolist())])
         return Rows(picked.to(self.mask.device), width, stop - start)
-
-
-def combine_micro_batches(measured: list[Metrics]) -> Metrics:
-    """One value per key over a step's updates, from each micro-batch's objective metrics: ``LOSS_TOKENS`` (the tokens
-    the gate's loss covered) summed; keys ending in ``min`` or ``max`` the extremes over the micro-batches with such
-    tokens; every other key the mean weighted by them (a micro-batch whose masks left no token, whose statistics read
-    0, has no say). Token means come out as over the whole step; means over sequences (``seq_ratio/mean``, GSPO's clip
-    fractions) are weighted by tokens too, close to but not exactly the step's. A key missing from a micro-batch counts
-    as 0 there; a single record is returned as it is, with no tensor operation."""
-    if len(measured) == 1:
-        return dict(measured[0])
-    tokens = torch.stack([metrics[LOSS_TOKENS] for metrics in measured])  # [K]
-    some = tokens > 0
-    out: Metrics = {LOSS_TOKENS: tokens.sum()}
-    for key in dict.fromkeys(key for metrics in measured for key in metrics if key != LOSS_TOKENS):
-        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for metrics in measured]).float()
-        if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
-            low = key.endswith("min")
-            extreme = torch.where(some, values, math.inf if low else -math.inf)
-            out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
-        else:
-            out[key] = (values * tokens).sum() / tokens.sum().clamp_min(1)
-    return out
 
 
 def mean(values: list[Tensor]) -> Tensor:

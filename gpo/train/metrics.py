@@ -8,6 +8,7 @@ import torch
 from lightning import Trainer
 from torch import Tensor
 
+from gpo.algo.objective import combine_statistics
 from gpo.parallel import collectives
 from gpo.rewards.runner import RewardFn, reward_name
 from gpo.rollout.base import Rollout
@@ -131,12 +132,14 @@ def publish_step(
     metrics: dict[str, Tensor], *, scoring_s: float, training_s: float,
 ) -> None:  # fmt: skip
     """A trained step's metrics (the learner's ``metrics``, throughput, reward-error counts and ``step_metrics``) to
-    the callbacks and progress bar, and to the loggers when logging is due: ranks are reduced only then (rank means,
-    and sums of the counts: one all-reduce each)."""
+    the callbacks and progress bar, and to the loggers when logging is due: ranks are combined only then, the
+    metrics as a step's micro-batches are (``combine_statistics``: extremes, means weighted by the loss tokens; one
+    all-gather) and the counts summed (one all-reduce)."""
     stats, log = collector.stats, log_due(trainer)
     metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, scoring_s, training_s)
     counts = count_metrics(stats.reward_errors, rollout.reward.device)
     if log:
-        metrics, counts = collectives.reduce_metrics(metrics, "mean"), collectives.reduce_metrics(counts, "sum")
+        metrics = combine_statistics(collectives.gather_metrics(metrics))  # as over micro-batches: ranks are parts
+        counts = collectives.reduce_metrics(counts, "sum")
     metrics |= counts | step_metrics(step, step_adv, collector.rewards, collector.mixer.weights)
     publish(trainer, {**metrics, "reward": metrics["reward/mean"]}, log=log)

@@ -11,13 +11,13 @@ from transformers import LlamaForCausalLM
 from gpo.algo import ClipGate, EntropyBonus, TokenMean
 from gpo.algo.distillation import TeacherKL
 from gpo.algo.masks import MismatchBandMask, SecondMomentMask
-from gpo.algo.objective import LOSS_TOKENS, PolicyObjective
+from gpo.algo.objective import LOSS_TOKENS, PolicyObjective, combine_statistics
 from gpo.algo.regularizers import AdaptiveEntropy
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import LocalTeacher
 from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_config, tiny_model
-from gpo.train.learner import Backend, Learner, combine_micro_batches
+from gpo.train.learner import Backend, Learner
 from gpo.train.optimization import Optimization
 
 
@@ -122,7 +122,7 @@ def test_a_teacher_whose_vocabulary_cannot_hold_the_policys_tokens_is_refused():
 
 def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes():
     one = {"entropy": torch.tensor(2.0), LOSS_TOKENS: torch.tensor(5.0)}
-    assert combine_micro_batches([one])["entropy"] is one["entropy"]  # one update: as it is
+    assert combine_statistics([one])["entropy"] is one["entropy"]  # one update: as it is
 
     def stats(tokens, entropy, low, high, **more):
         values = {LOSS_TOKENS: tokens, "entropy": entropy, "ratio/min": low, "ratio/max": high,
@@ -132,7 +132,7 @@ def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes
     # micro-batches keeping 6, 0, 3 and 1 tokens: the empty one reads 0 and has no say; "clip" only in some
     measured = [stats(6, 1.0, 0.9, 1.1, clip=0.5), stats(0, 0.0, 0.0, 0.0), stats(3, 2.0, 0.8, 1.3, clip=1.0),
                 stats(1, 6.0, 1.0, 1.0)]  # fmt: skip
-    out = combine_micro_batches(measured)
+    out = combine_statistics(measured)
     assert out["entropy"].item() == pytest.approx((6 * 1 + 3 * 2 + 6) / 10)
     assert out["clip"].item() == pytest.approx((6 * 0.5 + 3 * 1.0) / 10)
     assert out["ratio/min"].item() == pytest.approx(0.8) and out["ratio/max"].item() == pytest.approx(1.3)
@@ -157,6 +157,6 @@ def test_micro_batch_statistics_are_over_the_tokens_the_per_update_masks_leave()
         objective(logp[rows], old[rows], adv[rows], mask[rows], torch.tensor(12.0))[1]
         for rows in (slice(0, 2), slice(2, 4))
     ]
-    split = combine_micro_batches([{k: v.detach() for k, v in part.items()} for part in parts])
+    split = combine_statistics([{k: v.detach() for k, v in part.items()} for part in parts])
     for key in ("ratio/min", "ratio/max", "ratio/mean", "clip/low_frac", LOSS_TOKENS):
         assert split[key].item() == pytest.approx(whole[key].item()), key
