@@ -173,8 +173,9 @@ def combine_statistics(measured: list[Metrics]) -> Metrics:
     if len(measured) == 1:
         return dict(measured[0])
     tokens = torch.stack([metrics[LOSS_TOKENS] for metrics in measured])  # [K]
-    some = tokens > 0
-    out: Metrics = {LOSS_TOKENS: tokens.sum()}
+    some, total = tokens > 0, tokens.sum()
+    out: Metrics = {LOSS_TOKENS: total}
+    weights = tokens / total.clamp_min(1)  # [K]: each part's share of the tokens
     for key in dict.fromkeys(key for metrics in measured for key in metrics if key != LOSS_TOKENS):
         values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for metrics in measured]).float()
         if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
@@ -182,7 +183,7 @@ def combine_statistics(measured: list[Metrics]) -> Metrics:
             extreme = torch.where(some, values, math.inf if low else -math.inf)
             out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
         else:
-            out[key] = (values * tokens).sum() / tokens.sum().clamp_min(1)
+            out[key] = (values * weights).sum()
     return out
 
 
