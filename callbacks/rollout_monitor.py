@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback, require_source
-from gpo.train.metrics import publish_values
+from gpo.train.metrics import logged_step, publish_values
 
 COLLAPSE_SIGNALS = ("entropy", "ngram_unique", "reward_group_std")
 UNIFORM_ATOL = 1e-6  # a group whose rewards span at most this has zero advantage (GroupNormAdvantage's eps)
@@ -40,11 +40,11 @@ class RolloutMonitor(RolloutCallback):
     Collapse rule: each of entropy, ``ngram_unique`` and ``reward_group_std`` keeps its running peak (the maximum
     since the start of training, a torchmetrics ``MaxMetric``). After ``warmup`` monitored steps a step is
     collapsing when all three are below ``collapse_fraction`` x their peaks; when ``patience`` consecutive steps
-    collapse, one warning names the step and the three values with their peaks. It fires again only after a
-    step that does not collapse. One or two signals falling is normal (entropy falls as a policy learns); all
-    three together mean the groups have become copies of one answer with one reward. Mastering the task also
-    narrows all three: check ``reward/mean`` before acting. A signal that cannot be measured at a step (no
-    entropy source, completions shorter than ``ngram``) is not logged and makes that step non-collapsing.
+    collapse, one warning names the step (as its metrics are logged) and the three values with their peaks. It
+    fires again only after a step that does not collapse. One or two signals falling is normal (entropy falls as a
+    policy learns); all three together mean the groups have become copies of one answer with one reward. Mastering
+    the task also narrows all three: check ``reward/mean`` before acting. A signal that cannot be measured at a step
+    (no entropy source, completions shorter than ``ngram``) is not logged and makes that step non-collapsing.
 
     Entropy: with ``compute_entropy=True``, one no-grad forward pass of the module's ``scorer`` over the rollout
     (costly: about a third of a training pass); otherwise the metric named ``entropy_metric`` the module logged
@@ -151,7 +151,7 @@ class RolloutMonitor(RolloutCallback):
                 "entropy_metric to the name your module logs the token entropy under (warned once)."
             )
             self._warned_no_entropy = True
-        stats.update(self._collapse_check(stats, trainer.global_step))
+        stats.update(self._collapse_check(stats, logged_step(trainer)))
         measured = {f"monitor/{k}": v for k, v in stats.items() if math.isfinite(v)}  # nan: not measurable
         publish_values(trainer, measured)
 

@@ -91,9 +91,15 @@ def publish(trainer: Trainer, metrics: dict[str, Tensor], *, log: bool, progress
         log_row(trainer, dict(zip(keys, values, strict=True)))
 
 
+def logged_step(trainer: Trainer) -> int:
+    """The step the current training batch's metrics are logged at: the batch's index (0 before the first batch).
+    In ``on_train_batch_end`` it is one less than ``trainer.global_step``, which has counted the batch's update."""
+    return max(trainer.fit_loop.epoch_loop.total_batch_idx, 0)  # -1 before the first batch (at train start)
+
+
 def log_row(trainer: Trainer, row: dict[str, float]) -> None:
-    """``row`` to every logger at ``step`` = the training batch's index."""
-    step = max(trainer.fit_loop.epoch_loop.total_batch_idx, 0)  # -1 before the first batch (at train start)
+    """``row`` to every logger at ``logged_step``."""
+    step = logged_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(row, step=step)
 

@@ -51,9 +51,10 @@ def make_rollout(ids, mask, group, reward, truncated=None, prompt_len=1):
 
 
 def run_step(monitor, rollout, metrics=None, step=0, token_entropy=None):
-    """on_rollout_end then on_train_batch_end, as in a training step that logged ``metrics``, with the module's
-    scorer giving ``token_entropy[B, T]``; returns what the monitor logged."""
-    module, trainer = FakeModule(GivenEntropy(token_entropy)), fake_trainer(step, **(metrics or {}))
+    """on_rollout_end then on_train_batch_end of training batch ``step``, as in a training step that logged
+    ``metrics`` (its optimiser step done: ``global_step`` is one more), with the module's scorer giving
+    ``token_entropy[B, T]``; returns what the monitor logged."""
+    module, trainer = FakeModule(GivenEntropy(token_entropy)), fake_trainer(step + 1, step, **(metrics or {}))
     monitor.on_rollout_end(fake_trainer(step), module, rollout)
     monitor.on_train_batch_end(trainer, module, None, None, 0)
     return monitored(trainer)
