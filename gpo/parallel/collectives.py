@@ -55,17 +55,13 @@ def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu"
 
 
 def minibatch_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """Where a step's ``rows`` rows split into ``parts`` minibatches, as ``(start, stop)`` positions. Under DDP
-    each rank splits its own rows into exactly ``parts`` (sizes differing by at most one, as ``tensor_split``: every
-    rank takes the same number of optimiser steps), and the ranks' minibatch ``k`` together are the global minibatch
-    ``k``; a single process keeps ``chunk``'s split (``ceil(rows / parts)`` rows each, the last smaller)."""
-    if is_distributed():
-        size, extra = divmod(rows, parts)
-        stops = list(itertools.accumulate(size + (k < extra) for k in range(parts)))
-    else:
-        size = -(-rows // parts)
-        stops = [min(start + size, rows) for start in range(0, rows, size)] if rows else []
-    return list(zip([0, *stops[:-1]], stops, strict=True))
+    """Where a step's ``rows`` rows split into ``parts`` minibatches, as ``(start, stop)`` positions: sizes differing
+    by at most one, as ``tensor_split``, so a step takes exactly ``parts`` optimiser steps whatever its row count
+    (one per row when there are fewer rows than ``parts``). Under DDP each rank splits its own rows this way (it holds
+    at least ``parts``: ``every_rank_holds``), and the ranks' minibatch ``k`` form the global minibatch ``k``."""
+    size, extra = divmod(rows, parts)
+    stops = list(itertools.accumulate(size + (k < extra) for k in range(min(parts, rows))))
+    return list(zip([0, *stops], stops, strict=False))  # each minibatch starts where the one before stops
 
 
 def ddp_normaliser(local: Tensor) -> Tensor:

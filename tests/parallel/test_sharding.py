@@ -84,16 +84,18 @@ def test_without_a_process_group_every_collective_returns_its_input():
     metrics = {"loss": torch.tensor(1.5)}
     assert collectives.reduce_metrics(metrics, "mean") is metrics
     assert collectives.gather_objects("a") == ["a"]
-    for rows, parts in ((7, 3), (10, 4), (8, 4), (3, 3)):  # chunk's split: ceil(rows / parts) rows each
+    for rows, parts in ((7, 3), (10, 4), (12, 5), (8, 4), (3, 3)):  # tensor_split's split, as under DDP
         order = torch.arange(rows)
         bounds = collectives.minibatch_bounds(rows, parts)
-        assert [order[a:b].tolist() for a, b in bounds] == [p.tolist() for p in order.chunk(parts)]
+        assert [order[a:b].tolist() for a, b in bounds] == [p.tolist() for p in order.tensor_split(parts)]
+    assert collectives.minibatch_bounds(3, 4) == [(0, 1), (1, 2), (2, 3)]  # fewer rows than parts: one row each
+    assert collectives.minibatch_bounds(0, 2) == []
     assert collectives.every_rank_holds(1, 4) and not collectives.every_rank_holds(0, 1)
 
 
 def test_under_ddp_each_rank_splits_its_rows_into_exactly_the_minibatches_asked(monkeypatch):
     monkeypatch.setattr(collectives, "is_distributed", lambda: True)
-    for rows, parts in ((7, 3), (10, 4), (3, 3), (2, 3)):  # tensor_split's split: sizes differ by at most one
+    for rows, parts in ((7, 3), (10, 4), (3, 3)):  # tensor_split's split; each rank holds >= parts rows
         order = torch.arange(rows)
         bounds = collectives.minibatch_bounds(rows, parts)
         assert [order[a:b].tolist() for a, b in bounds] == [p.tolist() for p in order.tensor_split(parts)]

@@ -160,3 +160,15 @@ def test_micro_batch_statistics_are_over_the_tokens_the_per_update_masks_leave()
     split = combine_statistics([{k: v.detach() for k, v in part.items()} for part in parts])
     for key in ("ratio/min", "ratio/max", "ratio/mean", "clip/low_frac", LOSS_TOKENS):
         assert split[key].item() == pytest.approx(whole[key].item()), key
+
+
+@pytest.mark.parametrize("parts", [5, 12, 20])
+def test_a_step_takes_number_of_minibatches_optimiser_steps_whatever_its_row_count(parts):
+    """12 rows into 5 minibatches: 5 updates (sizes 3, 3, 2, 2, 2), not ``chunk``'s 4 of 3; more parts than rows:
+    one update per row."""
+    policy = tiny_model("llama", seed=1)
+    rollout, adv = sampled(policy)
+    assert len(rollout) == 12
+    split, backend = learner(policy, Optimization(lr=1e-3, number_of_minibatches=parts))
+    split.update(rollout, adv, rollout.completion_mask.float(), backend)
+    assert backend.scheduler.last_epoch == min(parts, 12)  # one scheduler step per optimiser step
