@@ -173,19 +173,13 @@ class RolloutPipeline:
         lag: ``max_off_policy_steps`` (>= 1).
         sampler_threads: torch threads of the worker process (engines that share the policy's weights); None: half
             of this process's. The trainer keeps the rest (``split_threads``).
-        old_logprobs: where the learner takes the old-policy log-probs from: it must be the sampler's (``rollout``).
     """
 
-    def __init__(self, engine: RolloutEngine, lag: int, sampler_threads: int | None, old_logprobs: str) -> None:
+    def __init__(self, engine: RolloutEngine, lag: int, sampler_threads: int | None) -> None:
         if lag < 0:
             raise ValueError(f"model.max_off_policy_steps={lag} must be >= 0 (0: sample, then train, in turn).")
         if sampler_threads is not None and sampler_threads < 1:
             raise ValueError(f"model.sampler_threads={sampler_threads} must be >= 1, or null for half the threads.")
-        if old_logprobs != "rollout":
-            raise ValueError(
-                f"model.max_off_policy_steps={lag} trains on rollouts sampled by an older policy, so the old-policy "
-                f"log-probs must be the sampler's: set model.old_logprobs: rollout (it is {old_logprobs!r})."
-            )
         if isinstance(engine, MultiTurnEngine) and engine.shares_policy_weights:
             raise ValueError(
                 f"model.max_off_policy_steps={lag} with a MultiTurnEngine over HFEngine is not supported: use a vLLM "

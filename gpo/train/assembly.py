@@ -78,13 +78,14 @@ def assemble(
     """``GPOModule``'s parts from its arguments (each documented there), checked before anything is loaded."""
     preflight.check_module_arguments(policy, rewards, group_size, mixer, tokenizer)
     old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
+    preflight.check_behaviour_policy(old_logprobs, correction is not None, max_off_policy_steps)
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
     preflight.check_distillation(distill, teacher)
     preflight.check_step_rewards(step_rewards, engine)
     sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
     pipeline = None
     if max_off_policy_steps:
-        pipeline = RolloutPipeline(engine, max_off_policy_steps, sampler_threads, old_logprobs)
+        pipeline = RolloutPipeline(engine, max_off_policy_steps, sampler_threads)
         engine = pipeline.engine
     objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
                                 masks=masks, distill=distill)  # fmt: skip

@@ -69,7 +69,8 @@ class GPOModule(RolloutSource, LightningModule):
             ``dtype``), or a ``gpo.models.teacher.Teacher`` such as ``ServerTeacher`` (vLLM servers answering its
             prompt log-probs). It must share the policy's tokenizer.
         step_rewards: per-turn advantages from the step rewards of multi-turn episodes (``MultiTurnEngine``).
-        correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights.
+        correction: rollout-vs-trainer importance correction (TIS/MIS), for engines with their own weights; needs
+            ``old_logprobs: trainer`` (with ``rollout`` the gates' ratio already holds the mismatch).
         trainer_mode: ``full`` fine-tuning, ``lora`` adapter, or ``qlora`` (4-bit base, needs a GPU).
         lora: adapter settings for ``lora`` / ``qlora``.
         dtype: dtype the policy is loaded in (``float32``, ``bfloat16``, ``float16``).
@@ -83,9 +84,10 @@ class GPOModule(RolloutSource, LightningModule):
             0: sample, then train, in turn. ``s >= 1``: the rollouts of the next ``s`` batches are sampled and scored
             while the policy trains (``gpo.rollout.pipeline``); the rollout of batch ``j`` is sampled by the policy
             after ``max(0, j - s)`` training steps and trained after ``j``, whatever the timing, so runs stay
-            reproducible and resume exactly. Needs ``old_logprobs: rollout`` (the sampler's log-probs are the
-            behaviour policy the gates and ``correction`` work from). ``HFEngine`` then runs in a worker process on
-            a copy of the weights, pushed after every training step.
+            reproducible and resume exactly. The sampler's log-probs must enter the loss: ``old_logprobs: rollout``
+            (the gates' ratio against the sampler), or ``trainer`` with a ``correction`` (weighing ``pi_train /
+            pi_sampler``). ``HFEngine`` then runs in a worker process on a copy of the weights, pushed after every
+            training step.
         sampler_threads: torch threads of that worker process; None: half of this process's, the trainer keeping
             the rest.
     """

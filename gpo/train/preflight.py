@@ -231,6 +231,26 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
     return aliased
 
 
+def check_behaviour_policy(old_logprobs: str, correcting: bool, max_off_policy_steps: int) -> None:
+    """Refuse settings that count the sampler's policy twice or not at all. ``model.correction`` weighs each token by
+    ``pi_train / pi_rollout``; with ``old_logprobs: rollout`` the gates' ratio ``pi / pi_rollout`` already holds that
+    factor (``pi = pi_train`` at the first update), so the weight must go with ``old_logprobs: trainer`` (the gates
+    clip ``pi / pi_train``, the correction carries the rest, as TRL's TIS does). Rollouts
+    sampled ahead (``max_off_policy_steps``) come from an older policy, which one of the two must bring in."""
+    if correcting and old_logprobs == "rollout":
+        raise ValueError(
+            "model.correction weighs each token by pi_train / pi_rollout, which the ratio pi / pi_rollout of "
+            "model.old_logprobs: rollout (the default) already holds: it would count twice. Set model.old_logprobs: "
+            "trainer (the gates then clip pi / pi_train and the correction weighs in the sampler's mismatch)."
+        )
+    if max_off_policy_steps > 0 and old_logprobs != "rollout" and not correcting:
+        raise ValueError(
+            f"model.max_off_policy_steps={max_off_policy_steps} trains on rollouts sampled by an older policy, which "
+            "must enter the loss: set model.old_logprobs: rollout (the gates' ratio is then pi / pi_sampler), or keep "
+            f"old_logprobs: {old_logprobs} with a model.correction (which weighs pi_train / pi_sampler)."
+        )
+
+
 #: ``trainer.precision`` values gpo trains with: full precision, bfloat16 autocast, float16 autocast with loss scaling.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 #: The ``model.dtype`` that gives the weights of a Lightning ``*-true`` precision.

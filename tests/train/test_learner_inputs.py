@@ -2,6 +2,7 @@
 coefficient), and the parts act as their formulas say once inside a training step."""
 
 import copy
+import math
 from contextlib import nullcontext
 
 import pytest
@@ -172,3 +173,25 @@ def test_a_step_takes_number_of_minibatches_optimiser_steps_whatever_its_row_cou
     split, backend = learner(policy, Optimization(lr=1e-3, number_of_minibatches=parts))
     split.update(rollout, adv, rollout.completion_mask.float(), backend)
     assert backend.scheduler.last_epoch == min(parts, 12)  # one scheduler step per optimiser step
+
+
+def test_the_rollout_correction_weighs_the_engine_mismatch_once():
+    """With ``old_logprobs: trainer`` the gates' ratio is ``pi / pi_train`` (1 at the first update) and the correction
+    alone weighs ``w = pi_train / pi_rollout``: each token's gradient is ``w`` times the on-policy one, not ``w**2``
+    (as when the ratio ``pi / pi_rollout`` already held ``w``: a setting ``check_behaviour_policy`` refuses)."""
+    from gpo.algo import RolloutCorrection
+
+    policy = tiny_model("llama", seed=1)
+    rollout, _ = sampled(policy)
+    rollout.logp = rollout.logp - 0.2  # an engine that finds every sampled token e^0.2 times less likely
+    objective = PolicyObjective(ClipGate(), TokenMean())
+    correcting = Learner(TokenScorer(policy), objective, Optimization(), old_logprobs="trainer",
+                         correction=RolloutCorrection(mode="tis", cap=10.0), sampler_shares_weights=False)  # fmt: skip
+    mask = rollout.completion_mask.float()
+    inputs, _ = correcting.step_inputs(rollout, mask)
+    logp = TokenScorer(policy).policy_logp(rollout).requires_grad_()
+    adv = torch.ones_like(mask)
+    loss, _ = objective(logp, inputs.pop("old_logp"), adv, mask, mask.sum(), **inputs)
+    loss.backward()
+    weight = -logp.grad[mask.bool()] * mask.sum()  # d loss / d logp_t = -w_t A_t / N
+    torch.testing.assert_close(weight, torch.full_like(weight, math.exp(0.2)))

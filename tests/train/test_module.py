@@ -175,6 +175,7 @@ def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
         kl=KLPenalty(beta=0.1, placement=placement),
         entropy=EntropyBonus(coef=0.01),
         correction=RolloutCorrection(mode="tis", cap=2.0),
+        old_logprobs="trainer",
         token_weights=[OverlongFilter()],
     )
     reference = module.scorer.reference

@@ -167,7 +167,7 @@ class OwnWeights(RolloutEngine):
 
 
 def test_rows_staler_than_the_bound_are_dropped_and_counted():
-    pipeline = RolloutPipeline(OwnWeights(), lag=1, sampler_threads=None, old_logprobs="rollout")
+    pipeline = RolloutPipeline(OwnWeights(), lag=1, sampler_threads=None)
     try:
         rollout = pipeline.engine.generate([[5], [6]], 2)
         assert rollout.version.tolist() == [0, 0, 0, 0]
@@ -216,10 +216,22 @@ def test_a_batch_whose_rows_are_all_too_stale_is_skipped_counted_and_warned_abou
     assert logged.rows[2]["rollout/skipped"] == 1.0
 
 
+def test_a_pipelined_run_can_weigh_the_lag_with_a_correction_instead_of_the_ratio(workspace):
+    """``old_logprobs: trainer`` with a correction: the gates clip ``pi / pi_train`` and the correction weighs
+    ``pi_train / pi_sampler``, the lag of the policy that sampled (one step here)."""
+    from gpo.algo import RolloutCorrection
+
+    _, trainer = fit(workspace, 3, 1, old_logprobs="trainer", correction=RolloutCorrection(mode="tis", cap=2.0))
+    logged = trainer.callback_metrics
+    assert trainer.global_step == 3 and float(logged["pipeline/staleness_max"]) == 1
+    assert float(logged["mismatch/abs_diff_max"]) > 0  # the sampler's policy is a step behind the trainer's
+    assert 0 < float(logged["correction/weight_mean"]) <= 2.0
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"old_logprobs": "trainer"}, r"old-policy log-probs must be the sampler's: set model.old_logprobs: rollout"),
+        ({"old_logprobs": "trainer"}, r"older policy, which must enter the loss: set model.old_logprobs: rollout"),
         ({"max_off_policy_steps": -1}, r"model.max_off_policy_steps=-1 must be >= 0"),
         ({"sampler_threads": 0}, r"model.sampler_threads=0 must be >= 1"),
     ],

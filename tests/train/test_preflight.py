@@ -212,6 +212,11 @@ CLI_CASES = [
         fix="loss_agg_mode: token_sum_norm"),
     bad("rspo_on_a_dense_model", "--model.algorithm=rspo", field="model.algorithm: RouterShiftGate (RSPO)",
         fix="model.algorithm: gmpo"),
+    bad("correction_over_the_rollout_ratio", "--model.correction.mode=tis",
+        field="model.correction weighs each token by pi_train / pi_rollout", fix="Set model.old_logprobs: trainer"),
+    bad("pipelined_without_the_sampler_in_the_loss", "--model.max_off_policy_steps=1", "--model.old_logprobs=trainer",
+        field="model.max_off_policy_steps=1 trains on rollouts sampled by an older policy",
+        fix="with a model.correction"),
     # ---- paths, tokenizer and data ------------------------------------------------------------------------------
     bad("missing_model_path", "--model.policy={root}/no_such_model", error=FileNotFoundError,
         field="model.policy='{root}/no_such_model': no such folder", fix="written by save_pretrained"),
