@@ -94,8 +94,9 @@ def score(rewards: Sequence[RewardFn], rollout: Rollout, errors: RewardErrors = 
     """``scores[B, K]``: reward function ``k`` applied to every completion of the rollout.
 
     Each function gets ``(prompts, completions, **fields, completion_ids=...)`` and returns one finite number
-    per completion. A function that fails is reported with its name and the prompt concerned, then handled
-    as ``errors.policy`` says.
+    per completion. In a multi-turn episode the completion is the whole transcript after the prompt, the
+    environment's observations included (``completion_mask``, not ``loss_mask``). A function that fails is
+    reported with its name and the prompt concerned, then handled as ``errors.policy`` says.
     """
     kept = zip(rollout.completion_ids.tolist(), rollout.completion_mask.bool().tolist(), strict=True)
     completion_ids = [list(itertools.compress(ids, mask)) for ids, mask in kept]  # one host copy, not one per row

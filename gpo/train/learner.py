@@ -147,10 +147,11 @@ class Learner:
         )
 
     def add_kl_penalty(self, rollout: Rollout) -> Rollout:
-        """The rollout with ``-beta * sum_t KL_t`` added to its reward, when the KL penalty sits in the reward."""
+        """The rollout with ``-beta * sum_t KL_t`` added to its reward, when the KL penalty sits in the reward: over the
+        policy's tokens (``loss_mask``; a multi-turn episode's observations are context it did not choose)."""
         if self.reward_kl is not None:
             logp, ref_logp = self.scorer.policy_logp(rollout), self.scorer.reference_logp(rollout)
-            rollout.reward = rollout.reward + self.reward_kl.reward_penalty(logp, ref_logp, rollout.completion_mask)
+            rollout.reward = rollout.reward + self.reward_kl.reward_penalty(logp, ref_logp, rollout.loss_mask)
         return rollout
 
     def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor]:

@@ -155,3 +155,29 @@ def test_bad_settings():
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_concurrent_rollouts=0)
     with pytest.raises(TypeError):
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), step_rewards_mode="dense")  # now gpo.algo.StepRewards
+
+
+def test_a_kl_penalty_in_the_reward_sums_over_the_policys_tokens_only(model_and_tokenizer):
+    """The environment's observations are context the policy never chose: its KL to the reference there is not the
+    policy's to pay. Written out: ``-beta sum_t k3_t`` over ``loss_mask``, from the two models' log-probs."""
+    from gpo.algo import ClipGate, KLPenalty, PolicyObjective, TokenMean
+    from gpo.algo.regularizers import kl_estimate
+    from gpo.models.scorer import TokenScorer
+    from gpo.train.learner import Learner
+    from gpo.train.optimization import Optimization
+
+    policy, tok = model_and_tokenizer
+    reference = tiny_model("llama", seed=1)  # another model: a KL above 0 on every token
+    e, _ = engine(model_and_tokenizer, Echo(observation="a longer observation\n"), max_turns=2)
+    rollout = e.generate([tok("hi:").input_ids], 2, seed=0)
+    assert (rollout.loss_mask.sum(-1) < rollout.completion_mask.sum(-1)).all()  # observations in the transcript
+    rollout.reward = torch.zeros(len(rollout))
+    scorer = TokenScorer(policy, reference=reference)
+    kl = KLPenalty(beta=0.5, placement="reward")
+    learner = Learner(scorer, PolicyObjective(ClipGate(), TokenMean()), Optimization(), kl=kl)
+    penalised = learner.add_kl_penalty(rollout).reward
+    width = rollout.completion_ids.shape[1]
+    logp = score_tokens(policy, rollout.input_ids, rollout.attention_mask, width).logp
+    k3 = kl_estimate(logp.double(), scorer.reference_logp(rollout).double(), "k3")
+    expected = -0.5 * (k3 * rollout.loss_mask).sum(-1)
+    torch.testing.assert_close(penalised.double(), expected, atol=1e-5, rtol=1e-4)
