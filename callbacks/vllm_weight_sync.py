@@ -27,8 +27,10 @@ class VLLMWeightSync(Callback):
     When: once at the start of training (the engine starts from the checkpoint on disk, the policy may have been
     resumed), then at the end of each training batch after which ``weight_sync_interval`` or more optimiser steps
     (``trainer.global_step``) have passed since the last sync: the next rollout is the first to use them. With an
-    interval above 1 the engine samples from weights up to that many steps old; ``ppo_clip_ref_logprobs: rollout``
-    and a ``correction`` (TIS/MIS) account for it.
+    interval above 1 the engine samples from weights up to that many steps old; ``old_logprobs: rollout`` or a
+    ``correction`` (TIS/MIS) accounts for it. Held-out evaluation samples from the engine too: before each one
+    (``gpo validate`` of a checkpoint included) the weights are pushed unless this process already pushed them at
+    this step.
 
     What: the full weights under the transformers checkpoint's names (``gpo.models.weights.checkpoint_weights``). A LoRA
     policy is pushed as merged weights ``W + scale * B @ A``, computed aside without touching the trained model;
@@ -82,6 +84,7 @@ class VLLMWeightSync(Callback):
         self.probe_prompts = list(probe_prompts)
         self.max_logprob_diff = max_logprob_diff
         self.syncs, self.synced_at_step = 0, 0
+        self.pushed_at: int | None = None  # the global step of the weights this process last pushed (not saved)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
@@ -91,7 +94,11 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.sync(trainer, pl_module, at_start=True)
+        self._sync_if_behind(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync_if_behind(trainer, pl_module)
 
     @override
     def on_train_batch_end(
@@ -102,9 +109,15 @@ class VLLMWeightSync(Callback):
 
     # ---- the sync and its check -------------------------------------------------------------------------------
 
-    def sync(self, trainer: Trainer, pl_module: LightningModule, at_start: bool = False) -> None:
-        """Push the policy's weights into the engine now; verify when this sync is due for it. ``at_start``: the sync
-        before the first batch of this process (logged only when it verifies: no batch's logging is due yet)."""
+    def _sync_if_behind(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before training or an evaluation: push unless this process pushed the weights of this step already."""
+        if self.pushed_at != trainer.global_step:
+            self.sync(trainer, pl_module, between_batches=True)
+
+    def sync(self, trainer: Trainer, pl_module: LightningModule, between_batches: bool = False) -> None:
+        """Push the policy's weights into the engine now; verify when this sync is due for it. ``between_batches``:
+        before training or an evaluation, not at a batch's end (logged only when it verifies: no batch's logging is
+        due)."""
         engine = pl_module.engine
         started = time.perf_counter()
         with full_parameters(trainer.strategy.model or pl_module):
@@ -114,13 +127,14 @@ class VLLMWeightSync(Callback):
         if engine.serves_all_ranks:
             trainer.strategy.barrier("vllm_weight_sync")
         self.syncs, self.synced_at_step = self.syncs + 1, trainer.global_step
+        self.pushed_at = trainer.global_step
         metrics = {"weight_sync/count": float(self.syncs), "weight_sync/seconds": time.perf_counter() - started}
         verified = self.verify_every_k > 0 and (self.syncs - 1) % self.verify_every_k == 0
         if verified:
             metrics.update(self.verify(pl_module))
         # To the loggers when logging is due, and at each verification: a verification is logged exactly where it
         # happened, and only there.
-        log = verified or (not at_start and log_due(trainer))
+        log = verified or (not between_batches and log_due(trainer))
         publish(trainer, {key: torch.tensor(value) for key, value in metrics.items()}, log=log, progress=())
 
     @torch.no_grad()

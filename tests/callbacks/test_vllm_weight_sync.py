@@ -78,13 +78,16 @@ class MismatchRecorder(RolloutCallback):
         self.sync_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith("weight_sync/")})
 
 
-def fit(assets, engine, sync, steps, logger=False, log_every_n_steps=50, **module_kwargs):
+def fit(assets, engine, sync, steps, logger=False, log_every_n_steps=50, evaluate_every=None, **module_kwargs):
+    """``steps`` optimiser steps of a GPOModule sampling from ``engine``; with ``evaluate_every``, a held-out
+    evaluation of 4 prompts every that many steps."""
     folder, data = assets
     warnings.filterwarnings("ignore", module="lightning")
     L.seed_everything(0)
     module_kwargs.setdefault("optim", Optimization(lr=1e-2))
     module = GPOModule(folder, [digit_fraction], engine=engine, group_size=4, **module_kwargs)
     recorder = MismatchRecorder()
+    evaluation = {"val_check_interval": evaluate_every, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
     trainer = L.Trainer(
         max_steps=steps,
         logger=logger,
@@ -93,9 +96,11 @@ def fit(assets, engine, sync, steps, logger=False, log_every_n_steps=50, **modul
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[sync, recorder],
+        **(evaluation if evaluate_every else {}),
     )
-    trainer.fit(module, PromptDataModule(data, tokenizer=folder, prompts_per_step=4))
-    return module, recorder
+    datamodule = PromptDataModule(data, tokenizer=folder, prompts_per_step=4, val_size=4 if evaluate_every else 0)
+    trainer.fit(module, datamodule)
+    return module, recorder, datamodule
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -103,7 +108,7 @@ def fit(assets, engine, sync, steps, logger=False, log_every_n_steps=50, **modul
 def test_engine_logprobs_equal_the_trainers_after_each_optimiser_step(assets, engine, mode):
     lora = {"trainer_mode": "lora", "lora": LoraSettings(r=4, alpha=8, dropout=0.0)} if mode == "lora" else {}
     sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
-    _, recorder = fit(assets, engine, sync, steps=4, **lora)
+    _, recorder, _ = fit(assets, engine, sync, steps=4, **lora)
     assert len(recorder.measured) == 4 and max(recorder.measured) < 1e-4, recorder.measured
     assert max(recorder.logged) < 1e-4, recorder.logged
     assert sync.syncs == 5  # at train start, then after each of the 4 steps
@@ -138,13 +143,27 @@ def test_verification_fails_loudly_when_the_weights_are_not_pushed(assets, engin
 @needs_vllm
 def test_sync_interval_counts_optimiser_steps_and_the_count_is_checkpointed(assets, engine):
     sync = VLLMWeightSync(weight_sync_interval=2, verify_every_k=2, max_logprob_diff=1e-4)
-    _, recorder = fit(assets, engine, sync, steps=4)
+    _, recorder, _ = fit(assets, engine, sync, steps=4)
     # syncs: train start (1, verified), after step 2 (2), after step 4 (3, verified)
     assert sync.syncs == 3 and sync.synced_at_step == 4
     assert [m.get("weight_sync/count") for m in recorder.sync_metrics] == [1.0, 2.0, 2.0, 3.0]
     restored = VLLMWeightSync()
     restored.load_state_dict(sync.state_dict())
     assert (restored.syncs, restored.synced_at_step) == (3, 4)
+
+
+@needs_vllm
+def test_the_engine_gets_the_current_weights_before_every_evaluation_and_in_validate(assets, engine):
+    """Evaluation samples from the engine: with a sync interval past the run, an evaluation at step 2 would score
+    the start weights. Each push before an evaluation is verified here (within 1e-4 of the trainer's weights)."""
+    sync = VLLMWeightSync(weight_sync_interval=100, verify_every_k=1, max_logprob_diff=1e-4)
+    module, _, datamodule = fit(assets, engine, sync, steps=3, evaluate_every=2)
+    assert sync.syncs == 2 and sync.pushed_at == 2  # train start, then before the evaluation after step 2
+    start = AutoModelForCausalLM.from_pretrained(assets[0])
+    engine.update_weights(start.state_dict().items())  # a new process's engine: the weights on disk
+    checking = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
+    L.Trainer(logger=False, enable_progress_bar=False, callbacks=[checking]).validate(module, datamodule)
+    assert checking.syncs == 1  # pushed (and verified) before validating
 
 
 @needs_vllm
