@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -16,6 +19,29 @@ HINTS = {
     422: "The environment refused the task or the policy's action: have its reset/step answer such input (as an "
     "invalid move, say) rather than raise ValueError.",
 }
+
+
+#: The fields an answer must hold, each with the JSON types it may have (checked exactly: a JSON ``true`` is no number)
+#: and how the protocol describes them. A step's ``info``, optional, must be an object.
+OPENED = {"id": ((str,), "a string"), "observation": ((str,), "a string")}
+STEPPED = {
+    "observation": ((str,), "a string"),
+    "reward": ((int, float), "a finite number"),
+    "done": ((bool,), "true or false"),
+    "info": ((dict,), "an object"),
+}
+
+
+def protocol_problem(answer: Any, fields: Mapping[str, tuple[tuple[type, ...], str]]) -> str | None:
+    """What is wrong with a task app's ``answer`` against ``fields`` (every one required but ``info``), or None."""
+    required = tuple(key for key in fields if key != "info")
+    if not (isinstance(answer, dict) and all(key in answer for key in required)):
+        return f"expected an object with {required}"
+    for key, (types, described) in fields.items():
+        value = answer.get(key)
+        if key in answer and (type(value) not in types or (float in types and not math.isfinite(value))):
+            return f"its field {key!r} must be {described}, not {value!r:.60}"
+    return None
 
 
 class TaskAppError(ServiceError):
@@ -86,20 +112,18 @@ class TaskApp(Episodes):
 
     async def open(self, seed: int, task: str) -> tuple[str, str]:
         episode = uuid.uuid4().hex
-        answer = await self._call(
-            "POST", "/episodes", {"id": episode, "seed": seed, "task": task}, ("id", "observation")
-        )
-        return answer["id"], str(answer["observation"])
+        answer = await self._call("POST", "/episodes", {"id": episode, "seed": seed, "task": task}, OPENED)
+        return answer["id"], answer["observation"]
 
     async def step(self, episode: str, action: str, turn: int) -> Step:
-        payload, keys = {"action": action, "turn": turn}, ("observation", "reward", "done")
-        answer = await self._call("POST", f"/episodes/{episode}/step", payload, keys)
-        return Step(str(answer["observation"]), float(answer["reward"]), bool(answer["done"]), answer.get("info", {}))
+        answer = await self._call("POST", f"/episodes/{episode}/step", {"action": action, "turn": turn}, STEPPED)
+        return Step(answer["observation"], float(answer["reward"]), answer["done"], answer.get("info", {}))
 
     async def close(self, episode: str) -> None:
         await self._call("DELETE", f"/episodes/{episode}", ok_status=frozenset({404}))  # already gone: closed
 
-    async def _call(self, method: str, path: str, payload=None, keys: tuple[str, ...] = (), ok_status=frozenset()):
+    async def _call(self, method: str, path: str, payload=None, fields=None, ok_status=frozenset()):
+        """The app's JSON answer to ``method path``, checked against ``fields`` (``OPENED``, ``STEPPED``) if given."""
         if self._session is None:
             raise RuntimeError("TaskApp is used outside `async with` (MultiTurnEngine opens it).")
         try:
@@ -109,10 +133,9 @@ class TaskApp(Episodes):
             )  # fmt: skip
         except ServiceError as exc:
             raise TaskAppError(str(exc)) from exc
-        if keys and not (isinstance(answer, dict) and all(key in answer for key in keys)):
-            raise TaskAppError(
-                f"{self._describe}: {method} {path} answered {answer!r:.200}; expected an object with {keys}."
-            )
+        problem = protocol_problem(answer, fields) if fields else None
+        if problem:
+            raise TaskAppError(f"{self._describe}: {method} {path} answered {answer!r:.200}; {problem}.")
         return answer
 
     @property

@@ -215,3 +215,55 @@ def test_python_m_task_app_takes_its_token_from_the_environment_and_bounds_bodie
         process.terminate()
         process.wait(10)
         process.stderr.close()
+
+
+def answering(created: dict, stepped: dict):
+    """An app out of protocol: healthy, answering every create with ``created`` and every step with ``stepped``."""
+    from aiohttp import web
+
+    async def health(_):
+        return web.json_response({"status": "ok", "episodes": 0})
+
+    def fixed(body):
+        async def handler(_):
+            return web.Response(text=json.dumps(body), content_type="application/json")  # NaN as Python writes it
+
+        return handler
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.post("/episodes", fixed(created)),
+                    web.post("/episodes/{id}/step", fixed(stepped))])  # fmt: skip
+    return app
+
+
+GOOD_STEP = {"observation": "higher\n", "reward": 0, "done": False}
+
+
+@pytest.mark.parametrize(
+    ("created", "stepped", "message"),
+    [
+        ({"id": "e", "observation": None}, GOOD_STEP, r"POST /episodes answered .*'observation' must be a string"),
+        ({"id": 7, "observation": ""}, GOOD_STEP, r"its field 'id' must be a string, not 7"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "done": "false"},
+         r"POST /episodes/e/step answered .*its field 'done' must be true or false, not 'false'"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "observation": None}, r"'observation' must be a string"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": "abc"}, r"'reward' must be a finite number"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": float("nan")}, r"'reward' must be a finite number"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": True}, r"'reward' must be a finite number, not True"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "info": [1]}, r"'info' must be an object"),
+        ({"id": "e", "observation": ""}, {"observation": "", "reward": 0}, r"expected an object with \('observation'"),
+    ],
+)  # fmt: skip
+def test_an_answer_out_of_protocol_is_refused_naming_the_app_route_and_field(created, stepped, message):
+    """Answers are checked, not converted: ``bool("false")`` is True, and would have ended every episode."""
+
+    async def one_step(url: str) -> Step:
+        async with TaskApp(task_url=url, **FAST) as app:
+            episode, _ = await app.open(3, "guess 1-8:")
+            return await app.step(episode, "4", 0)
+
+    with serve(answering(created, stepped)) as url, pytest.raises(TaskAppError, match=message) as refused:
+        asyncio.run(one_step(url))
+    assert f"task_url={url}" in str(refused.value)
+    with serve(answering({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": 1, "info": {}})) as url:
+        assert asyncio.run(one_step(url)) == Step("higher\n", 1.0, False, {})  # an integer reward is a number
