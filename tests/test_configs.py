@@ -189,4 +189,4 @@ model:
     teacher = module.learner.teacher
     assert type(teacher).__name__ == "ServerTeacher" and teacher.model is None
     assert teacher.servers.urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
-    assert teacher.servers.retries.retry_for_s == 5 and module.learner.objective.distill.coef == 0.5
+    assert teacher.servers.retries.retry_max_s == 5 and module.learner.objective.distill.coef == 0.5

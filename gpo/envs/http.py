@@ -37,7 +37,7 @@ class Retries:
     """When a failed request (connection error, timeout, or a status of ``retried_status``) is tried again.
 
     Retry ``k`` (0, 1, ...) waits ``min(backoff_s * 2**k, max_backoff_s)``. Retries stop after ``attempts`` tries in
-    all, or once ``retry_for_s`` seconds have passed since the first failure (the last retry starts then at the
+    all, or once ``retry_max_s`` seconds have passed since the first failure (the last retry starts then at the
     latest), whichever comes first; None leaves that bound out.
 
     Args:
@@ -45,14 +45,14 @@ class Retries:
         attempts: tries per request (1: no retry).
         backoff_s: wait before the first retry; doubled for each further one.
         max_backoff_s: longest wait between tries.
-        retry_for_s: longest time spent retrying, from the first failure.
+        retry_max_s: longest time spent retrying, from the first failure.
     """
 
     timeout_s: float = 30.0
     attempts: int | None = 3
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
-    retry_for_s: float | None = None
+    retry_max_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -61,10 +61,10 @@ class Retries:
             raise ValueError(f"attempts={self.attempts} must be >= 1 (tries per request; 1: no retry).")
         if self.backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError(f"backoff_s={self.backoff_s} and max_backoff_s={self.max_backoff_s} must be >= 0.")
-        if self.retry_for_s is not None and self.retry_for_s < 0:
-            raise ValueError(f"retry_for_s={self.retry_for_s} must be >= 0 (seconds of retrying; 0: no retry).")
-        if self.attempts is None and self.retry_for_s is None:
-            raise ValueError("Retries needs attempts or retry_for_s: without either a request is retried forever.")
+        if self.retry_max_s is not None and self.retry_max_s < 0:
+            raise ValueError(f"retry_max_s={self.retry_max_s} must be >= 0 (seconds of retrying; 0: no retry).")
+        if self.attempts is None and self.retry_max_s is None:
+            raise ValueError("Retries needs attempts or retry_max_s: without either a request is retried forever.")
 
     def next_wait(self, retry: int, failing_for_s: float) -> float | None:
         """Seconds to wait before retry number ``retry`` (0, 1, ...), the first failure ``failing_for_s`` ago; None
@@ -72,9 +72,9 @@ class Retries:
         if self.attempts is not None and retry + 1 >= self.attempts:
             return None
         wait = min(self.backoff_s * 2**retry, self.max_backoff_s)
-        if self.retry_for_s is None:
+        if self.retry_max_s is None:
             return wait
-        remaining = self.retry_for_s - failing_for_s
+        remaining = self.retry_max_s - failing_for_s
         return min(wait, remaining) if remaining > 0 else None
 
     def waits(self) -> Iterator[float]:
@@ -114,7 +114,7 @@ async def request_json(
     """``method url`` with JSON ``payload``; returns the decoded JSON answer (None for an empty one, or for a status
     in ``ok_status``). Raises ``ServiceError`` starting with ``describe`` (which service, at which URL, what to
     check) and saying what the last try got; ``hints`` adds what to check after a refusal with that status."""
-    waits = retries.waits()
+    waits, started = retries.waits(), time.monotonic()
     for tries in itertools.count(1):
         try:
             timeout = aiohttp.ClientTimeout(total=retries.timeout_s)
@@ -137,7 +137,10 @@ async def request_json(
             last = f"HTTP {status}: {body[:200]}"
         wait = next(waits, None)
         if wait is None:
-            raise ServiceError(f"{describe}: {method} {url} failed after {tries} attempt(s); the last: {last}.")
+            raise ServiceError(
+                f"{describe}: {method} {url} failed after {tries} attempt(s) in {time.monotonic() - started:.1f} s; "
+                f"the last: {last}. To ride out a longer outage, raise attempts or set retry_max_s."
+            )
         await asyncio.sleep(wait)
 
 

@@ -63,9 +63,11 @@ class TaskApp(Episodes):
         token: shared secret sent as ``Authorization: Bearer TOKEN`` (the app's ``--token``); None: the environment
             variable ``GPO_TASK_APP_TOKEN`` if set, else none. The variable keeps it out of YAML files.
         timeout_s: seconds one request may take.
-        attempts: tries per request (1: no retry).
+        attempts: tries per request (1: no retry); None: as many as ``retry_max_s`` allows.
         backoff_s: wait before the first retry, doubled for each further one.
         max_backoff_s: longest wait between tries.
+        retry_max_s: longest time a failing request is retried, from its first failure; None: ``attempts`` alone
+            bounds it. ``attempts: null`` with ``retry_max_s: 120`` rides out an app restarting for two minutes.
         health_max_wait_s: longest wait for ``GET /health`` to answer 200 at the start of each batch.
     """
 
@@ -75,9 +77,10 @@ class TaskApp(Episodes):
         task_url: str,
         token: str | None = None,
         timeout_s: float = 30.0,
-        attempts: int = 3,
+        attempts: int | None = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        retry_max_s: float | None = None,
         health_max_wait_s: float = 30.0,
     ) -> None:
         if not task_url.startswith(("http://", "https://")):
@@ -86,7 +89,8 @@ class TaskApp(Episodes):
             raise ValueError(f"health_max_wait_s={health_max_wait_s} must be > 0 (seconds to wait for GET /health).")
         self.task_url = task_url.rstrip("/")
         self.token = token_from(token, TOKEN_ENV)
-        self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+        self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                               retry_max_s=retry_max_s)  # fmt: skip
         self.health_max_wait_s = health_max_wait_s
         self._session: aiohttp.ClientSession | None = None
 

@@ -16,6 +16,7 @@ from gpo.rewards.builtin import (
     positional_match,
 )
 from gpo.rewards.judge import JudgeError, JudgeReward
+from gpo.rewards.runner import ServedReward
 from gpo.rewards.shaping import DuplicatePenalty, SoftOverlongPunishment
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "JudgeReward",
     "LengthPenalty",
     "RegexFormat",
+    "ServedReward",
     "SoftOverlongPunishment",
     "answer_column",
     "bounded_time",

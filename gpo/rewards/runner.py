@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +21,15 @@ MAX_SINGLE_ROW_RETRIES = 64
 FIX_HINT = "to score failed samples as model.reward_errors.value (now {value}), set model.reward_errors.policy: score"
 
 log = logging.getLogger(__name__)
+
+
+class ServedReward(ABC):
+    """A reward function that asks a service (a judge): the collector waits for it to be ready when the run is set
+    up, so a service that is down fails the run before the first rollout is sampled, not after it."""
+
+    @abstractmethod
+    def wait_ready(self) -> None:
+        """Return once the service answers; raise ``gpo.envs.http.ServiceError`` naming it when it does not."""
 
 
 class RewardError(ValueError):

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.algo.mixers import RewardMixer, WeightedSum
-from gpo.rewards.runner import RewardErrors, RewardFn, score
+from gpo.rewards.runner import RewardErrors, RewardFn, ServedReward, score
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.seeds import run_seed, stream_seed
 
@@ -70,8 +70,12 @@ class Collector:
         self.step, self.round, self.stats = 0, 0, CollectionStats()
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Ready to collect: the engine set up, and every reward that asks a service answered by it."""
         self.tokenizer = tokenizer
         self.engine.setup(policy, tokenizer)
+        for reward in self.rewards:
+            if isinstance(reward, ServedReward):
+                reward.wait_ready()
 
     def begin_step(self, step: int, collected: CollectionStats | None = None) -> None:
         """Start collecting for training batch ``step`` (counted over the run, skipped batches included); with

@@ -80,7 +80,7 @@ class VLLMServers:
         self.health_max_wait_s, self.health_interval_ms = health_max_wait_s, health_interval_ms
         self.max_concurrent_requests = max_concurrent_requests
         self.retries = Retries(
-            timeout_s=request_timeout_s, attempts=None, backoff_s=retry_backoff_s, retry_for_s=retry_max_s
+            timeout_s=request_timeout_s, attempts=None, backoff_s=retry_backoff_s, retry_max_s=retry_max_s
         )
 
     def spread(self, count: int) -> list[str]:
@@ -213,7 +213,7 @@ class VLLMServers:
         )
         return (
             f"vLLM server {url} failed: POST {path} got no usable answer in {tries} tries over {seconds:.1f} s "
-            f"(retried for at most {self.where}.retry_max_s={self.retries.retry_for_s} s); first: {first}; "
+            f"(retried for at most {self.where}.retry_max_s={self.retries.retry_max_s} s); first: {first}; "
             f"last: {last}. Check that the server is still running (its log says why it stopped: a crash, out of "
             f"memory, killed) and reachable from this machine{reads}; to wait out a server restart, raise "
             f"{self.where}.retry_max_s."

@@ -204,7 +204,7 @@ class VLLMServerEngine(RolloutEngine):
             if wait is None:
                 raise VLLMServerError(
                     f"vLLM server {url} could not reset its prefix cache: it answered {answer} for "
-                    f"{self.where}.retry_max_s={self.servers.retries.retry_for_s} s (blocks held by running "
+                    f"{self.where}.retry_max_s={self.servers.retries.retry_max_s} s (blocks held by running "
                     "requests). Is another client using it?"
                 )
             time.sleep(wait)

@@ -22,12 +22,12 @@ def test_backoff_schedule_under_attempts_and_under_a_time_bound():
     # attempts=4: three retries, waiting 0.5, 1, 2 (doubling from backoff_s); then spent
     by_count = Retries(attempts=4, backoff_s=0.5)
     assert [by_count.next_wait(k, 0.0) for k in range(4)] == [0.5, 1.0, 2.0, None]
-    # retry_for_s=10, no attempt bound: waits 1, 2, 4, 8 capped at max_backoff_s=3; the last one cut to what is left
-    by_time = Retries(attempts=None, backoff_s=1.0, max_backoff_s=3.0, retry_for_s=10.0)
+    # retry_max_s=10, no attempt bound: waits 1, 2, 4, 8 capped at max_backoff_s=3; the last one cut to what is left
+    by_time = Retries(attempts=None, backoff_s=1.0, max_backoff_s=3.0, retry_max_s=10.0)
     assert [by_time.next_wait(k, t) for k, t in [(0, 0.0), (1, 1.0), (2, 3.0), (3, 6.0), (4, 9.5), (5, 10.0)]] == [
         1.0, 2.0, 3.0, 3.0, 0.5, None,
     ]  # fmt: skip
-    assert Retries(attempts=None, retry_for_s=0.0).next_wait(0, 0.0) is None  # 0: no retry
+    assert Retries(attempts=None, retry_max_s=0.0).next_wait(0, 0.0) is None  # 0: no retry
     with pytest.raises(ValueError, match="retried forever"):
         Retries(attempts=None)
 

@@ -81,6 +81,19 @@ def test_500s_then_success_are_retried(model_and_tokenizer):
     assert faults.count("DELETE", "/episodes") == 3 * 6
 
 
+def test_with_retry_max_s_instead_of_attempts_a_longer_outage_is_ridden_out(model_and_tokenizer):
+    clean = play(model_and_tokenizer, NumberGuess())
+    faults = Faults(where="/step", fail_first=6)  # each step fails 6 times: past the default 3 attempts
+    with serve(with_faults(make_app(NumberGuess()), faults)) as url:
+        with pytest.raises(TaskAppError, match=r"failed after 3 attempt\(s\) in .* raise attempts or set retry_max_s"):
+            play(model_and_tokenizer, TaskApp(task_url=url, **FAST))
+        faults.seen.clear()
+        patient = TaskApp(task_url=url, attempts=None, retry_max_s=30.0, backoff_s=0.01, max_backoff_s=0.05)
+        rollout = play(model_and_tokenizer, patient)
+    assert rollout.fields == clean.fields
+    assert patient.retries.attempts is None and patient.retries.retry_max_s == 30.0
+
+
 def test_a_step_applied_but_answered_500_is_not_applied_twice(model_and_tokenizer):
     clean = play(model_and_tokenizer, NumberGuess())
     faults = Faults(where="/step", lose_answer=1)  # the app steps, then the answer is lost; the retry must not step

@@ -112,3 +112,22 @@ def test_with_a_token_the_judge_refuses_requests_without_it_and_the_reward_sends
         assert JudgeReward(judge_url=url, token="s3cret", **FAST)(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]
         monkeypatch.setenv("GPO_JUDGE_TOKEN", "s3cret")
         assert JudgeReward(judge_url=url, **FAST)(PROMPTS, COMPLETIONS, turns=TURNS) == [1.0, 0.0, 1.0]
+
+
+def test_a_judge_that_is_down_fails_the_set_up_before_any_rollout_naming_it():
+    from aiohttp import web
+
+    from gpo.rollout import HFEngine, Sampling
+    from gpo.rollout.collector import Collector
+    from gpo.testing import char_tokenizer, tiny_model
+    from tests.ports import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    collector = Collector(HFEngine(sampling=Sampling(max_new_tokens=2)), [env_reward, JudgeReward(
+        judge_url=down, health_max_wait_s=0.5, **FAST)], group_size=2)  # fmt: skip
+    with pytest.raises(JudgeError, match=rf"judge at judge_url={down} .* did not answer 200 within health_max_wait_s"):
+        collector.setup(tiny_model(), char_tokenizer())
+    with serve(web.Application()) as url, pytest.raises(JudgeError, match=r"HTTP 404.*add the route"):
+        JudgeReward(judge_url=url, **FAST).wait_ready()  # a judge without GET /health: the protocol asks for it
+    with serve(make_app()) as url:
+        Collector(HFEngine(), [JudgeReward(judge_url=url, **FAST)], group_size=2).setup(tiny_model(), char_tokenizer())
