@@ -253,3 +253,16 @@ def test_validate_last_without_a_checkpoint_is_refused_not_run_on_the_untrained_
     assert exit_info.value.code == 2, err
     assert f"--ckpt_path last: no checkpoint in {tmp_path / 'run' / 'checkpoints'}. Give a .ckpt file" in err, err
     assert not (tmp_path / "run").exists()  # no log folder, no run lock left behind
+
+
+def test_a_refused_resume_keeps_the_config_that_wrote_the_checkpoint_which_then_resumes(root):
+    version = fit(root, "kept") / "lightning_logs/version_0"
+    original = (version / "config.yaml").read_text()
+    with pytest.raises(ValueError, match=r"written by another run \(group_size: 16 in the checkpoint, 4 now\)"):
+        fit(root, "kept", "--model.group_size=4", "--ckpt_path=last", "--trainer.max_steps=4")
+    assert (version / "config.yaml").read_text() == original  # the message sends the user to it
+    assert [p.name for p in version.glob("config*")] == ["config.yaml"]  # the refused attempt left nothing
+    main(["fit", f"--config={version / 'config.yaml'}", "--ckpt_path=last", "--trainer.max_steps=4"])
+    assert (version / "config.yaml").read_text() == original
+    resumed = (version / "config.resume-1.yaml").read_text()
+    assert "max_steps: 4" in resumed and "max_steps: 2" in original

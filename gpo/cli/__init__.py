@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     if args[0] not in SUBCOMMANDS and not args[0].startswith("-"):
         guess = did_you_mean(args[0], [*SUBCOMMANDS, *COMMANDS])
         raise ValueError(f"unknown command {args[0]!r}" + (f"; {guess}" if guess else ""))
-    from gpo.cli.fit import GPOCLI
+    from gpo.cli.fit import GPOCLI, RunConfig
     from gpo.train.data import PromptDataModule
     from gpo.train.module import GPOModule
 
     args = with_shipped_configs(args)
-    GPOCLI(GPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+    GPOCLI(GPOModule, PromptDataModule, args=args, save_config_callback=RunConfig)
 
 
 def overview() -> str:

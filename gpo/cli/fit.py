@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from typing_extensions import override
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
@@ -48,6 +50,9 @@ class GPOCLI(LightningCLI):
         except BaseException:
             if self.new_version:  # a run refused at set-up leaves no version_N folder behind to skip a number
                 discard_unused_version(self.trainer)
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, RunConfig):  # nor, resuming, a config.resume-N.yaml of a run never made
+                    callback.discard_if_unused(self.trainer)
             raise
 
     @staticmethod
@@ -116,6 +121,33 @@ class GPOCLI(LightningCLI):
 
     def _callback_keys(self) -> list[str]:
         return list(self._parser(self.subcommand).callback_keys) if self.subcommand else []
+
+
+class RunConfig(SaveConfigCallback):
+    """Saves the run's configuration as ``config.yaml`` in its log folder. A resumed run appending to that folder
+    keeps the file (the configuration that wrote the run's checkpoints, which a refused resume points to: a
+    configuration that changes the run is refused) and saves its own next to it as ``config.resume-N.yaml``."""
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.save_to_log_dir and not self.already_saved:
+            folder = Path(trainer.log_dir)  # a collective: every rank calls it
+            name = free_config_name(folder) if trainer.is_global_zero else None
+            self.config_filename = trainer.strategy.broadcast(name)
+        super().setup(trainer, pl_module, stage)
+
+    def discard_if_unused(self, trainer) -> None:
+        """Remove the ``config.resume-N.yaml`` this run saved if it stopped before its first training batch (refused
+        at set-up). Global rank 0 alone; no collective."""
+        started = trainer.global_step > 0 or trainer.fit_loop.epoch_loop.total_batch_idx >= 0
+        if trainer.is_global_zero and self.already_saved and not started and self.config_filename != "config.yaml":
+            (Path(trainer.log_dir) / self.config_filename).unlink(missing_ok=True)
+
+
+def free_config_name(folder: Path) -> str:
+    """``config.yaml``, or the first ``config.resume-N.yaml`` (N = 1, 2, ...) not yet in ``folder``."""
+    names = ["config.yaml", *(f"config.resume-{n}.yaml" for n in range(1, 10_000))]
+    return next(name for name in names if not (folder / name).exists())
 
 
 def quiet_lightning() -> None:
