@@ -23,7 +23,9 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising
     Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
-    notices SIGTERM only at the end of an epoch. Files are replaced atomically when the trainer's checkpoint IO is
+    notices SIGTERM only at the end of an epoch. SIGTERM during an evaluation (which runs after a whole step) stops
+    it at its next batch, writes the checkpoint in a single-process run, and exits 143 too: Lightning alone ends such
+    a run with exit code 0, as if it had finished. Files are replaced atomically when the trainer's checkpoint IO is
     gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
 
     One run at a time per folder: a second run started on the folder of a live one stops at once, and a fresh run
@@ -82,6 +84,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stopped_in_evaluation(trainer, exception)
         self._release(trainer)  # a run that fails (a setting refused at setup, a crash) gets no teardown
 
     def _release(self, trainer: Trainer) -> None:
@@ -119,6 +122,18 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_now(trainer)
+
+    def _stopped_in_evaluation(self, trainer: Trainer, exception: BaseException) -> None:
+        """Lightning's evaluation loop stops at SIGTERM with a ``SIGTERMException`` without exit code: a scheduler
+        would read 0 as done. It becomes 143, after the checkpoint of the finished step (one process: under DDP the
+        other processes may not be here to take part in a save)."""
+        if not isinstance(exception, SIGTERMException) or exception.code is not None:
+            return
+        if trainer.state.fn == TrainerFn.FITTING and trainer.world_size == 1:
+            self._save_now(trainer)
+        exception.code = SIGTERM_EXIT_CODE
+        rank_zero_info(f"SIGTERM during evaluation: stopped after step {trainer.global_step}; resume from "
+                       f"{self.last_model_path or 'the last checkpoint'}")  # fmt: skip
 
     def _save_now(self, trainer: Trainer) -> None:
         if not self._should_skip_saving_checkpoint(trainer):

@@ -78,3 +78,26 @@ def test_resuming_under_another_algorithm_is_refused_naming_the_difference(tiny_
         fit(tiny_assets, folder, steps=3, ckpt_path=last, algorithm="dapo")
     with pytest.raises(ValueError, match=r"group_size: 4 in the checkpoint, 2 now"):
         fit(tiny_assets, folder, steps=3, ckpt_path=last, group_size=2)
+
+
+def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_and_exits_143(tiny_assets, tmp_path):
+    """Lightning's evaluation loop stops at SIGTERM with exit code 0, which a scheduler reads as done."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class TermDuringEvaluation(L.Callback):  # what Lightning's SIGTERM handler sets, at the first held-out batch
+        def on_validation_batch_start(self, trainer, *_):
+            if not trainer.sanity_checking:
+                trainer._signal_connector.received_sigterm = True
+
+    model, data = tiny_assets
+    folder = tmp_path / "checkpoints"
+    checkpoints = ResumeCheckpoint(dirpath=folder, every_n_train_steps=100)
+    trainer = quiet_trainer(6, [checkpoints, TermDuringEvaluation()], enable_checkpointing=True,
+                            val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0)  # fmt: skip
+    module = tiny_module(model)
+    with pytest.raises(SIGTERMException) as stopped:
+        trainer.fit(module, prompts(model, data, val_size=16))  # 16 held-out prompts: several batches
+    assert stopped.value.code == 143
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 3  # the evaluation after step 3
