@@ -18,6 +18,11 @@ from gpo.algo.weighting import TokenWeight
 
 #: The metric counting the tokens the gate's loss covers (after the per-update masks): what its statistics are over.
 LOSS_TOKENS = "train/loss_tokens"
+#: The metric counting the tokens of the update's loss mask (before the per-update masks), which the other statistics
+#: are over: the entropy, the KL term's, distillation's and the per-update masks' own.
+MASK_TOKENS = "train/mask_tokens"
+#: The keys (or key prefixes) of the statistics over the whole loss mask, weighted by ``MASK_TOKENS`` when combined.
+MASK_STATISTICS = ("entropy", "kl/", "distill/", "mask/")
 #: What the objective always has in a gradient pass; parts naming only these need nothing more from the trainer.
 ALWAYS_GIVEN = frozenset({"logp", "old_logp", "adv", "entropy"})
 
@@ -118,7 +123,8 @@ class PolicyObjective:
             kept, metrics = torch.where(keep, kept, 0), {**metrics, **mask_metrics}  # [B, T]
         per_token, gate_metrics = checked_gate_output(self.gate(logp, old_logp, adv, kept, **_pick(self.gate, given)),
                                                       self.gate, mask, logp)  # fmt: skip
-        metrics = {**metrics, **gate_metrics, LOSS_TOKENS: kept.detach().sum().float()}
+        metrics = {**metrics, **gate_metrics, LOSS_TOKENS: kept.detach().sum().float(),
+                   MASK_TOKENS: mask.detach().sum().float()}  # fmt: skip
         if self.kl is not None:
             if ref_logp is None:
                 raise ValueError("the KL loss term needs ref_logp (reference log-probs of the same tokens).")
@@ -164,26 +170,27 @@ class PolicyObjective:
 
 
 def combine_statistics(measured: list[Metrics]) -> Metrics:
-    """One value per key from the objective metrics of parts of a step (its micro-batches, or its ranks):
-    ``LOSS_TOKENS`` (the tokens the gate's loss covered) summed; keys ending in ``min`` or ``max`` the extremes over
-    the parts with such tokens; every other key the mean weighted by them (a part whose masks left no token, whose
-    statistics read 0, has no say). Token means come out as over the whole step; means over sequences
+    """One value per key from the objective metrics of parts of a step (its micro-batches, or its ranks): the token
+    counts (``LOSS_TOKENS``, ``MASK_TOKENS``) summed; keys ending in ``min`` or ``max`` the extremes over the parts
+    whose gate covered tokens; every other key the mean weighted by the tokens it is over: ``MASK_TOKENS`` for
+    ``MASK_STATISTICS``, the gate's ``LOSS_TOKENS`` for the rest (a part whose masks left the gate no token, whose
+    ratio statistics read 0, has no say in them). Token means come out as over the whole step; means over sequences
     (``seq_ratio/mean``, GSPO's clip fractions) are weighted by tokens too, close to but not exactly the step's. A key
     missing from a part counts as 0 there; a single record is returned as it is, with no tensor operation."""
     if len(measured) == 1:
         return dict(measured[0])
-    tokens = torch.stack([metrics[LOSS_TOKENS] for metrics in measured])  # [K]
-    some, total = tokens > 0, tokens.sum()
-    out: Metrics = {LOSS_TOKENS: total}
-    weights = tokens / total.clamp_min(1)  # [K]: each part's share of the tokens
-    for key in dict.fromkeys(key for metrics in measured for key in metrics if key != LOSS_TOKENS):
-        values = torch.stack([metrics.get(key, torch.zeros_like(tokens[0])) for metrics in measured]).float()
+    counts = {key: torch.stack([metrics[key] for metrics in measured]) for key in (LOSS_TOKENS, MASK_TOKENS)}  # [K]
+    out: Metrics = {key: count.sum() for key, count in counts.items()}
+    shares = {key: count / count.sum().clamp_min(1) for key, count in counts.items()}  # [K]: each part's share
+    some, zero = counts[LOSS_TOKENS] > 0, torch.zeros_like(counts[LOSS_TOKENS][0])
+    for key in dict.fromkeys(key for metrics in measured for key in metrics if key not in counts):
+        values = torch.stack([metrics.get(key, zero) for metrics in measured]).float()  # [K]
         if key.endswith(("/min", "/max", "_min", "_max")):  # ratio/min, vespo/weight_max: extremes
             low = key.endswith("min")
             extreme = torch.where(some, values, math.inf if low else -math.inf)
             out[key] = torch.where(some.any(), extreme.amin() if low else extreme.amax(), 0.0)
         else:
-            out[key] = (values * weights).sum()
+            out[key] = (values * shares[MASK_TOKENS if key.startswith(MASK_STATISTICS) else LOSS_TOKENS]).sum()
     return out
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpo.algo.objective import LOSS_TOKENS, combine_statistics
+from gpo.algo.objective import LOSS_TOKENS, MASK_TOKENS, combine_statistics
 from gpo.callbacks import DynamicSampling
 from gpo.parallel import collectives
 from gpo.train.data import EpochOrder, PromptDataModule
@@ -107,9 +107,10 @@ def reduce_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     metrics = {"loss": torch.tensor(float(rank)), "count": torch.tensor(2.0 * rank + 1)}
     result = {"mean": collectives.reduce_metrics(metrics, "mean"), "sum": collectives.reduce_metrics(metrics, "sum")}
-    # rank 1's masks left no token in its loss: its ratio statistics read 0
-    stats = {LOSS_TOKENS: torch.tensor(6.0 - 6 * rank), "ratio/min": torch.tensor(0.9 - 0.9 * rank),
-             "ratio/mean": torch.tensor(1.0 - rank)}  # fmt: skip
+    # rank 1's masks left no token in its gate's loss: its ratio statistics read 0; its entropy counts (2 tokens)
+    stats = {LOSS_TOKENS: torch.tensor(6.0 - 6 * rank), MASK_TOKENS: torch.tensor(6.0 - 4 * rank),
+             "ratio/min": torch.tensor(0.9 - 0.9 * rank), "ratio/mean": torch.tensor(1.0 - rank),
+             "entropy": torch.tensor(1.0 + 3 * rank)}  # fmt: skip
     result["combined"] = combine_statistics(collectives.gather_metrics(stats))
     try:
         collectives.reduce_metrics({"loss": torch.tensor(0.0)} if rank else metrics, "mean")
@@ -129,5 +130,5 @@ def test_metrics_reduce_over_two_processes_with_one_all_reduce_and_refuse_differ
         assert "every rank must log the same keys" in result["mismatch"]
         # the ranks combine as micro-batches do: a rank without loss tokens has no say in the statistics
         assert {k: float(v) for k, v in result["combined"].items()} == pytest.approx(
-            {LOSS_TOKENS: 6.0, "ratio/min": 0.9, "ratio/mean": 1.0}
+            {LOSS_TOKENS: 6.0, MASK_TOKENS: 8.0, "ratio/min": 0.9, "ratio/mean": 1.0, "entropy": (6 * 1 + 2 * 4) / 8}
         )

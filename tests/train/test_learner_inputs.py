@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 from gpo.algo import ClipGate, EntropyBonus, TokenMean
 from gpo.algo.distillation import TeacherKL
 from gpo.algo.masks import MismatchBandMask, SecondMomentMask
-from gpo.algo.objective import LOSS_TOKENS, PolicyObjective, combine_statistics
+from gpo.algo.objective import LOSS_TOKENS, MASK_TOKENS, PolicyObjective, combine_statistics
 from gpo.algo.regularizers import AdaptiveEntropy
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import LocalTeacher
@@ -122,44 +122,53 @@ def test_a_teacher_whose_vocabulary_cannot_hold_the_policys_tokens_is_refused():
 
 
 def test_step_metrics_over_micro_batches_and_epochs_are_token_means_and_extremes():
-    one = {"entropy": torch.tensor(2.0), LOSS_TOKENS: torch.tensor(5.0)}
+    one = {"entropy": torch.tensor(2.0), LOSS_TOKENS: torch.tensor(5.0), MASK_TOKENS: torch.tensor(6.0)}
     assert combine_statistics([one])["entropy"] is one["entropy"]  # one update: as it is
 
-    def stats(tokens, entropy, low, high, **more):
-        values = {LOSS_TOKENS: tokens, "entropy": entropy, "ratio/min": low, "ratio/max": high,
+    def stats(tokens, masked, entropy, low, high, **more):
+        values = {LOSS_TOKENS: tokens, MASK_TOKENS: masked, "entropy": entropy, "ratio/min": low, "ratio/max": high,
                   "vespo/weight_max": high, **more}  # fmt: skip
         return {key: torch.tensor(float(value)) for key, value in values.items()}
 
-    # micro-batches keeping 6, 0, 3 and 1 tokens: the empty one reads 0 and has no say; "clip" only in some
-    measured = [stats(6, 1.0, 0.9, 1.1, clip=0.5), stats(0, 0.0, 0.0, 0.0), stats(3, 2.0, 0.8, 1.3, clip=1.0),
-                stats(1, 6.0, 1.0, 1.0)]  # fmt: skip
+    # micro-batches whose gates keep 6, 0, 3 and 1 of their 8, 4, 3 and 5 mask tokens: the gate statistics of the
+    # empty one read 0 and have no say; the statistics over the whole mask (entropy, kl/...) are weighted by the
+    # mask's tokens; "clip" only in some
+    measured = [stats(6, 8, 1.0, 0.9, 1.1, clip=0.5, **{"kl/mean": 0.1}), stats(0, 4, 3.0, 0.0, 0.0),
+                stats(3, 3, 2.0, 0.8, 1.3, clip=1.0), stats(1, 5, 6.0, 1.0, 1.0)]  # fmt: skip
     out = combine_statistics(measured)
-    assert out["entropy"].item() == pytest.approx((6 * 1 + 3 * 2 + 6) / 10)
+    assert out["entropy"].item() == pytest.approx((8 * 1 + 4 * 3 + 3 * 2 + 5 * 6) / 20)
+    assert out["kl/mean"].item() == pytest.approx(8 * 0.1 / 20)
     assert out["clip"].item() == pytest.approx((6 * 0.5 + 3 * 1.0) / 10)
     assert out["ratio/min"].item() == pytest.approx(0.8) and out["ratio/max"].item() == pytest.approx(1.3)
-    assert out["vespo/weight_max"].item() == pytest.approx(1.3) and out[LOSS_TOKENS].item() == 10
+    assert out["vespo/weight_max"].item() == pytest.approx(1.3)
+    assert out[LOSS_TOKENS].item() == 10 and out[MASK_TOKENS].item() == 20
 
 
 def test_micro_batch_statistics_are_over_the_tokens_the_per_update_masks_leave():
     """A micro-batch whose rows an OffPolicySequenceMask drops whole has no token in the gate's loss: its ratio
-    statistics (0) must not pull the step's down."""
-    from gpo.algo import ClipGate, TokenMean
+    statistics (0) must not pull the step's down; the entropy, KL and mask statistics, over every token of the loss
+    mask, come out as over the whole step too."""
+    from gpo.algo import ClipGate, KLPenalty, TokenMean
     from gpo.algo.masks import OffPolicySequenceMask
     from gpo.algo.objective import PolicyObjective
 
-    mask, old = torch.ones(4, 3), torch.zeros(4, 3)
+    mask, old = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]), torch.zeros(4, 3)
     logp = torch.full((4, 3), -0.05)
     logp[2:] = -1.0  # rows 2 and 3 far off-policy: masked whole
     logp.requires_grad_()
     adv = torch.tensor([[1.0], [1.0], [-1.0], [-1.0]]).expand(4, 3)
-    objective = PolicyObjective(ClipGate(), TokenMean(), masks=[OffPolicySequenceMask(threshold=0.5)])
-    _, whole = objective(logp, old, adv, mask, torch.tensor(12.0))
+    entropy, ref = torch.arange(12.0).view(4, 3), torch.full((4, 3), -0.5)
+    objective = PolicyObjective(ClipGate(), TokenMean(), masks=[OffPolicySequenceMask(threshold=0.5)],
+                                kl=KLPenalty(beta=0.1))  # fmt: skip
+    _, whole = objective(logp, old, adv, mask, torch.tensor(9.0), entropy=entropy, ref_logp=ref)
     parts = [
-        objective(logp[rows], old[rows], adv[rows], mask[rows], torch.tensor(12.0))[1]
+        objective(logp[rows], old[rows], adv[rows], mask[rows], torch.tensor(9.0), entropy=entropy[rows],
+                  ref_logp=ref[rows])[1]
         for rows in (slice(0, 2), slice(2, 4))
-    ]
+    ]  # fmt: skip
     split = combine_statistics([{k: v.detach() for k, v in part.items()} for part in parts])
-    for key in ("ratio/min", "ratio/max", "ratio/mean", "clip/low_frac", LOSS_TOKENS):
+    assert set(split) == set(whole)
+    for key in set(whole) - {"mask/off_policy_kl_mean"}:  # that one a mean over sequences: weighted by tokens
         assert split[key].item() == pytest.approx(whole[key].item()), key
 
 
