@@ -139,8 +139,8 @@ def publish_step(
 ) -> None:  # fmt: skip
     """A trained step's metrics (the learner's ``metrics``, throughput, reward-error counts and ``step_metrics``) to
     the callbacks and progress bar, and to the loggers when logging is due: ranks are combined only then, the
-    metrics as a step's micro-batches are (``combine_statistics``: extremes, means weighted by the loss tokens; one
-    all-gather) and the counts summed (one all-reduce)."""
+    metrics as a step's micro-batches are (``combine_statistics``: extremes, means weighted by the tokens each is
+    over; one all-gather) and the counts summed (one all-reduce)."""
     stats, log = collector.stats, log_due(trainer)
     metrics |= throughput(rollout, stats.generated_tokens, stats.rollout_s, scoring_s, training_s)
     counts = count_metrics(stats.reward_errors, rollout.reward.device)
