@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class ServedReward(ABC):
-    """A reward function that asks a service (a judge): the collector waits for it to be ready when the run is set
-    up, so a service that is down fails the run before the first rollout is sampled, not after it."""
+    """A reward function that asks a service (a judge), checked to answer when the run is set up.
+
+    The collector waits for it to be ready before the first rollout, so a service that is down fails the run at once,
+    not after a whole rollout was sampled."""
 
     @abstractmethod
     def wait_ready(self) -> None:

@@ -132,7 +132,7 @@ def test_weight_sync_keeps_the_server_equal_to_the_trainer_after_each_step(serve
     sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)
     server_engine = copy.copy(engine)
     server_engine.sampling = type(engine.sampling)(temperature=0.8, max_new_tokens=4)
-    _, recorder = fit((folder, data), server_engine, sync, steps=3)
+    _, recorder, _ = fit((folder, data), server_engine, sync, steps=3)
     assert sync.syncs == 4 and max(recorder.measured) < 1e-4, recorder.measured
     assert len(recorder.moved) == 2 and min(recorder.moved) > 1e-3, recorder.moved
 
@@ -143,7 +143,7 @@ def test_a_pipelined_run_samples_each_rollout_with_the_weights_of_the_step_befor
     sync = VLLMWeightSync(verify_every_k=1, max_logprob_diff=1e-4)  # each check runs after its push, in turn
     server_engine = copy.copy(engine)
     server_engine.sampling = type(engine.sampling)(temperature=0.8, max_new_tokens=4)
-    _, recorder = fit((folder, data), server_engine, sync, steps=3, max_off_policy_steps=1)
+    _, recorder, _ = fit((folder, data), server_engine, sync, steps=3, max_off_policy_steps=1)
     assert sync.syncs == 4 and len(recorder.measured) == 3
     # rollout j is trained after j steps and was sampled after max(0, j - 1): the previous step's weights
     assert recorder.measured[0] < 1e-4 and max(recorder.moved) < 1e-4, (recorder.measured, recorder.moved)
