@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
+from types import FrameType
 
+import torch
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what shells and schedulers report for a terminated job
@@ -23,10 +28,11 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising
     Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
-    notices SIGTERM only at the end of an epoch. SIGTERM during an evaluation (which runs after a whole step) stops
-    it at its next batch, writes the checkpoint in a single-process run, and exits 143 too: Lightning alone ends such
-    a run with exit code 0, as if it had finished. Files are replaced atomically when the trainer's checkpoint IO is
-    gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
+    notices SIGTERM only at the end of an epoch. With several processes every rank stops after the same step,
+    whichever got the signal (one all-reduce of a flag per training batch). SIGTERM during an evaluation (which runs
+    after a whole step) stops it at its next batch, writes the checkpoint in a single-process run, and exits 143 too:
+    Lightning alone ends such a run with exit code 0, as if it had finished. Files are replaced atomically when the
+    trainer's checkpoint IO is gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
 
     One run at a time per folder: a second run started on the folder of a live one stops at once, and a fresh run
     refuses a folder that holds an earlier run's ``last.ckpt`` (continue it with ``--ckpt_path last``, or choose
@@ -54,6 +60,7 @@ class ResumeCheckpoint(ModelCheckpoint):
             enable_version_counter=False,  # one last.ckpt, replaced in place, never last-v1.ckpt
         )
         self._lock: RunLock | None = None
+        self._sigterm_seen = False  # this process received SIGTERM (runs of several processes: on_train_start)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._default_dirpath(trainer)
@@ -69,6 +76,25 @@ class ResumeCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("gpo_run_lock")
         if trainer.is_global_zero:
             self._lock.acquire()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With several processes, SIGTERM only marks the process that gets it; the ranks agree at the end of each
+        training batch (``_sigterm_requested``) and stop together. Lightning's own handler, installed just before,
+        broadcasts from inside the signal handler while a rank may be in another collective, and its loops stop the
+        signalled rank alone: either way the run hangs (Lightning issue #20806)."""
+        if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._note_sigterm)  # Lightning's teardown restores the handler before it
+
+    def _note_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm_seen = True
+
+    def _sigterm_requested(self, trainer: Trainer) -> bool:
+        """Whether to stop after this batch: Lightning's flag in one process; with several, whether any rank got
+        SIGTERM (one all-reduce a batch, so that every rank stops after the same step)."""
+        if trainer.world_size == 1:
+            return trainer.received_sigterm
+        seen = torch.tensor(float(self._sigterm_seen), device=trainer.strategy.root_device)
+        return bool(collectives.reduce_over_ranks(seen, "max"))
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Known only now: whether this run resumed a checkpoint (Lightning loads it after the setup hooks).
@@ -114,9 +140,10 @@ class ResumeCheckpoint(ModelCheckpoint):
         # extended to a larger max_steps would start the next epoch instead of finishing this one.
         due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
         last = 0 < trainer.max_steps <= trainer.global_step
-        if due or last or trainer.received_sigterm:
+        stop = self._sigterm_requested(trainer)
+        if due or last or stop:
             self._save_now(trainer)
-        if trainer.received_sigterm:
+        if stop:
             rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {self.last_model_path}")
             raise SIGTERMException(SIGTERM_EXIT_CODE)
 

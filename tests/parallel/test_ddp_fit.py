@@ -3,8 +3,10 @@ checkpoint written mid-run ends bitwise like the run that was never stopped."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,43 @@ def test_a_ddp_run_resumed_from_a_mid_run_checkpoint_ends_like_the_run_never_sto
     totals = [state for name, state in whole["callbacks"].items() if name.startswith("DynamicSampling")]
     resumed_totals = [state for name, state in resumed["callbacks"].items() if name.startswith("DynamicSampling")]
     assert totals == resumed_totals and totals[0]["groups_kept"] > 0
+
+
+def wait_for(path: Path, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_sigterm_to_rank_0_mid_step_stops_both_processes_after_it_with_a_checkpoint_and_143(tmp_path):
+    """Rank 0 stalls in its reward while rank 1 waits in the step's next collective; SIGTERM reaches rank 0 alone.
+    Lightning's handler broadcast from inside the signal handler there and the run hung; now the ranks agree at the
+    batch's end, both write the checkpoint and stop, and the run resumes."""
+    save_tiny_model(tmp_path / "model", "llama", seed=0)
+    write_jsonl(make_task("sort_digits", 40, seed=0), tmp_path / "train.jsonl")
+    config = CONFIG.format(root=tmp_path, lag=0).replace("max_steps: 12", "max_steps: 40")
+    config = config.replace("tests.parallel.ddp_step.even_digit_sum", "tests.reliability.faults.stall_rank_0_on_cue")
+    (tmp_path / "config.yaml").write_text(config)
+    cue, run = tmp_path / "cue", tmp_path / "run"
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "GPO_FAULT_CUE": str(cue), "GPO_FAULT_STALL_S": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "gpo.cli", "fit", f"--config={tmp_path / 'config.yaml'}",
+               f"--trainer.default_root_dir={run}"]  # fmt: skip
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        wait_for(run / "checkpoints/last.ckpt", process, log)
+        cue.touch()  # rank 0's next reward call stalls for a second
+        wait_for(tmp_path / "cue.hit", process, log)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    finally:
+        process.kill()
+    assert code == 143, log.read_text()[-3000:]
+    stopped = load(run / "checkpoints/last.ckpt")["global_step"]
+    assert 4 < stopped < 40  # after the step the signal interrupted, past the first periodic checkpoint
+    assert fit(tmp_path / "config.yaml", run, "--ckpt_path=last")["global_step"] == 40

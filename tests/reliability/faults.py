@@ -31,6 +31,15 @@ def stall_on_cue(prompts, completions, **columns):
     return positional_match(prompts, completions, **columns)
 
 
+def stall_rank_0_on_cue(prompts, completions, **columns):
+    """``stall_on_cue`` on global rank 0 alone: the other ranks go on to the step's next collective and wait there."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return positional_match(prompts, completions, **columns)
+    return stall_on_cue(prompts, completions, **columns)
+
+
 class SlowToPickle:
     """Pickling it touches ``marker`` then sleeps: a checkpoint holding one is mid-write for as long as needed."""
 
