@@ -33,7 +33,15 @@ from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
 from gpo.train.learner import OldLogprobs, lightning_backend
 from gpo.train.metrics import publish, publish_step
 from gpo.train.optimization import Optimization
-from gpo.train.run_state import check_same_run, describe_run, restore_random_state, restored_run_state, run_state
+from gpo.train.run_state import (
+    check_same_run,
+    describe_run,
+    describe_settings,
+    restore_random_state,
+    restored_run_state,
+    run_state,
+    warn_changed_settings,
+)
 
 
 class GPOModule(RolloutSource, LightningModule):
@@ -179,11 +187,13 @@ class GPOModule(RolloutSource, LightningModule):
             logger.save()
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
         state = run_state(drawn, self.learner.nonfinite.streak, self.feed.state())  # waits for what is in flight
-        checkpoint["gpo"] = state | {"run": describe_run(self), "objective": self.learner.objective.state_dict()}
+        checkpoint["gpo"] = state | {"run": describe_run(self), "settings": describe_settings(self),
+                                     "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("gpo", {})
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
+        warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))
         self.feed.load_state(self._restored.get("pipeline"))

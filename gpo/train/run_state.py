@@ -3,12 +3,14 @@ the extra prompt batches drawn, the non-finite streak; per rank, as checkpoint-s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from gpo.parallel import collectives
 
@@ -84,6 +86,47 @@ def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: s
             "under this configuration. Resume with the configuration that wrote it (saved as config.yaml in the run's "
             "lightning_logs/version_N folder), or start this run in another folder (--trainer.default_root_dir DIR)."
         )
+
+
+#: Settings whose value a resume takes from the checkpoint's optimiser state, whatever the configuration says now.
+RESTORED_FROM_CHECKPOINT = ("model.optim.lr", "model.optim.weight_decay")
+#: Optimisation settings that change neither the updates nor what is sampled (memory; when to give up).
+REPLAY_NEUTRAL = frozenset({"micro_batch_size", "max_consecutive_nonfinite"})
+
+
+def describe_settings(module) -> dict[str, str]:
+    """The settings of a ``GPOModule``'s run a resume may change without becoming another run (``describe_run``),
+    by their configuration keys: optimisation, sampling, KL and entropy terms, the rollout seed."""
+    sampling = "model.engine.init_args.sampling"
+    objective = module.learner.objective
+    optim = {k: v for k, v in dataclasses.asdict(module.learner.optim).items() if k not in REPLAY_NEUTRAL}
+    return {
+        **{f"model.optim.{k}": repr(v) for k, v in optim.items()},
+        **{f"{sampling}.{k}": repr(v) for k, v in dataclasses.asdict(module.collector.engine.sampling).items()},
+        "model.kl": describe(objective.kl) if objective.kl is not None else "None",
+        "model.entropy": describe(objective.entropy) if objective.entropy is not None else "None",
+        "model.seed": repr(module.collector.seed),
+    }
+
+
+def warn_changed_settings(saved: dict[str, str], current: dict[str, str]) -> None:
+    """Warn once, naming each setting changed since the checkpoint: the resumed run goes on with the new values
+    (except those ``RESTORED_FROM_CHECKPOINT``, which the restored optimiser keeps), so it does not replay the run
+    that wrote the checkpoint."""
+    changed = [key for key in saved if key in current and saved[key] != current[key]]
+    if not changed:
+        return
+    parts = [_change(key, saved[key], current[key]) for key in changed]
+    rank_zero_warn(
+        f"resumed with settings changed since the checkpoint: {'; '.join(parts)}. The run goes on with them, so it "
+        "does not replay the one that wrote the checkpoint; to change the learning rate, start a new run from the "
+        "exported policy."
+    )
+
+
+def _change(key: str, before: str, after: str) -> str:
+    kept = f" (not applied: the optimiser state restored from the checkpoint keeps {before})"
+    return f"{key} {before} -> {after}{kept if key in RESTORED_FROM_CHECKPOINT else ''}"
 
 
 def describe_run(module) -> dict[str, str]:

@@ -80,6 +80,26 @@ def test_resuming_under_another_algorithm_is_refused_naming_the_difference(tiny_
         fit(tiny_assets, folder, steps=3, ckpt_path=last, group_size=2)
 
 
+def test_a_resume_with_changed_settings_warns_naming_each_and_what_the_checkpoint_keeps(tiny_assets, tmp_path):
+    import warnings
+
+    from gpo.algo import KLPenalty
+    from gpo.train.optimization import Optimization
+
+    folder = tmp_path / "ckpt"
+    fit(tiny_assets, folder, steps=2, optim=Optimization(lr=1e-3))
+    with warnings.catch_warnings():  # the same settings: no warning
+        warnings.filterwarnings("error", message="resumed with settings changed")
+        fit(tiny_assets, folder, steps=3, ckpt_path="last", optim=Optimization(lr=1e-3))
+    with pytest.warns(UserWarning, match=r"resumed with settings changed since the checkpoint") as caught:
+        trainer = fit(tiny_assets, folder, steps=4, ckpt_path="last", optim=Optimization(lr=5e-3),
+                      kl=KLPenalty(beta=0.1))  # fmt: skip
+    message = next(str(w.message) for w in caught if "settings changed" in str(w.message))
+    assert "model.optim.lr 0.001 -> 0.005 (not applied" in message
+    assert "model.kl None -> KLPenalty(beta=0.1" in message and "micro_batch_size" not in message
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3)  # what the warning says
+
+
 def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_and_exits_143(tiny_assets, tmp_path):
     """Lightning's evaluation loop stops at SIGTERM with exit code 0, which a scheduler reads as done."""
     import lightning as L
