@@ -159,7 +159,9 @@ class VLLMEngine(RolloutEngine):
             from vllm import LLM  # importing vLLM sets environment variables too
 
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; restored after
-            # No tokenizer in vLLM: prompts go in and completions come out as token ids.
+            # No tokenizer in vLLM: prompts go in and completions come out as token ids. Its start still warms up a
+            # chat template and prints the failure's traceback (no tokenizer), for a template gpo never uses.
+            drop_messages("vllm.renderers.base", "Chat template warmup failed")
             self.llm = LLM(
                 model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
             )
