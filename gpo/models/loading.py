@@ -15,6 +15,7 @@ from typing import Literal
 import huggingface_hub
 import torch
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -24,6 +25,7 @@ from transformers import (
 )
 
 from gpo.models import gguf_cache
+from gpo.suggest import did_you_mean
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
@@ -212,6 +214,7 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings, *, quantized: bool 
     """Wrap ``model`` in a peft model with a fresh LoRA adapter; only the adapter trains."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+    check_target_modules(model, settings.target_modules)
     if quantized:
         model = prepare_model_for_kbit_training(model)
     config = LoraConfig(
@@ -222,6 +225,20 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings, *, quantized: bool 
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def check_target_modules(model: torch.nn.Module, targets: list[str] | None) -> None:
+    """Refuse a ``model.lora.target_modules`` entry that names no module of ``model`` (as peft matches a name: the
+    whole module path, or its last parts after a dot), listing the names its linear layers go by."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets or () if not any(name == t or name.endswith("." + t) for name in names)]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        guess = did_you_mean(missing[0], linear)
+        raise ValueError(
+            f"model.lora.target_modules: {missing} names no module of the model{'; ' + guess if guess else ''}. Its "
+            f"linear layers are named {linear} (leave target_modules out to adapt them all but the output layer)."
+        )
 
 
 def is_peft(model: torch.nn.Module) -> bool:
