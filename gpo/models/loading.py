@@ -140,8 +140,12 @@ def _not_found(path: str, field: str, reason: str) -> str:
 
 def pretrained_path(path: str, field: str) -> str:
     """What ``from_pretrained`` loads for ``path``: the converted folder of a GGUF model (converting it on first
-    use), else ``path`` itself (a folder or a hub id)."""
-    return str(gguf_cache.converted_folder(path, field)) if gguf_cache.is_gguf_source(path) else path
+    use), a local folder as an absolute path (the model remembers it as its ``name_or_path``, which an exported LoRA
+    adapter's ``base_model_name_or_path`` records: a relative one would load only from the run's working directory),
+    else ``path`` itself (a hub id)."""
+    if gguf_cache.is_gguf_source(path):
+        return str(gguf_cache.converted_folder(path, field))
+    return str(Path(path).resolve()) if Path(path).is_dir() else path
 
 
 def load_tokenizer(path: str, field: str) -> PreTrainedTokenizerBase:

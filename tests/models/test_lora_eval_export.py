@@ -1,5 +1,7 @@
 """LoRA training, the reference as the adapter switched off, held-out evaluation and the exported folder."""
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -201,3 +203,14 @@ def test_export_refuses_swapped_arguments_a_missing_checkpoint_and_an_adapter_of
         assert exit_info.value.code == 2 and err.startswith("gpo export: error: ") and says in err, (args, err)
         assert len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_records_its_base_model_as_an_absolute_folder(workspace, monkeypatch):
+    """``model.policy: model`` given relative to the run's working directory: the exported adapter must still find
+    its base model from anywhere."""
+    from gpo.models.loading import load_policy
+
+    root, model, _ = workspace
+    monkeypatch.chdir(root)
+    policy = load_policy("model", dtype="float32", mode="lora", lora=LoraSettings(r=4, alpha=8))
+    assert policy.peft_config["default"].base_model_name_or_path == str(Path(model).resolve())
