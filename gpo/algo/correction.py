@@ -21,9 +21,12 @@ class RolloutCorrection:
     token, or its product over the sequence:
 
     - ``tis`` (truncated importance sampling): weight ``min(w, cap)``;
-    - ``mis`` (masked importance sampling): weight ``1[w <= cap]``, dropping badly mismatched samples.
+    - ``mis`` (masked importance sampling): weight ``w 1[w <= cap]``, dropping badly mismatched samples.
 
-    The weight is a constant (no grad) multiplied into the per-token loss.
+    The weight is a constant (no grad) multiplied into the per-token loss, whose ratio gates then take the old
+    log-probs from the trainer (``old_logprobs: trainer``: they clip ``pi / pi_train``), so ``w`` enters once, as in
+    TRL (``token_truncate``, ``token_mask``, ``sequence_*``). Textbooks write MIS's weight as ``1[w <= cap]`` alone,
+    applied to a ratio ``pi / pi_rollout`` that already holds ``w``: the same product at the first update.
 
     Args:
         mode: ``tis`` or ``mis``.
@@ -47,7 +50,7 @@ class RolloutCorrection:
             if self.level == "sequence":
                 diff = masked_sum(diff, mask, dim=-1)[:, None].expand_as(train_logp)
             w = diff.exp()
-            weight = w.clamp(max=self.cap) if self.mode == "tis" else (w <= self.cap).to(w.dtype)
+            weight = w.clamp(max=self.cap) if self.mode == "tis" else torch.where(w <= self.cap, w, 0.0)
             weight = torch.where(mask.bool(), weight, 0.0)
             metrics = {
                 "correction/weight_mean": masked_mean(weight, mask),

@@ -18,10 +18,11 @@ def test_tis_token_truncates_each_ratio():
     assert metrics["correction/capped_frac"].item() == pytest.approx(1 / 5)
 
 
-def test_mis_sequence_masks_whole_sequences():
-    # sequence log-ratios: 0.2 - 1 + 0 = -0.8 -> w = 0.449 (kept); 0.5 + 0.4 = 0.9 -> w = 2.46 (> 2: dropped)
+def test_mis_sequence_masks_whole_sequences_and_weighs_the_kept_ones():
+    # sequence log-ratios: 0.2 - 1 + 0 = -0.8 -> w = 0.449 (kept, weighted by w, as TRL's sequence_mask);
+    # 0.5 + 0.4 = 0.9 -> w = 2.46 (> 2: dropped)
     weight, _ = RolloutCorrection(mode="mis", level="sequence", cap=2.0)(TRAIN, ROLLOUT, MASK)
-    torch.testing.assert_close(weight, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(weight, torch.tensor([[math.exp(-0.8)] * 3, [0.0, 0.0, 0.0]]))
 
 
 def test_tis_sequence_uses_the_product_of_ratios():

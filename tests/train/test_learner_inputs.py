@@ -184,7 +184,8 @@ def test_a_step_takes_number_of_minibatches_optimiser_steps_whatever_its_row_cou
     assert backend.scheduler.last_epoch == min(parts, 12)  # one scheduler step per optimiser step
 
 
-def test_the_rollout_correction_weighs_the_engine_mismatch_once():
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_the_rollout_correction_weighs_the_engine_mismatch_once(mode):
     """With ``old_logprobs: trainer`` the gates' ratio is ``pi / pi_train`` (1 at the first update) and the correction
     alone weighs ``w = pi_train / pi_rollout``: each token's gradient is ``w`` times the on-policy one, not ``w**2``
     (as when the ratio ``pi / pi_rollout`` already held ``w``: a setting ``check_behaviour_policy`` refuses)."""
@@ -195,7 +196,7 @@ def test_the_rollout_correction_weighs_the_engine_mismatch_once():
     rollout.logp = rollout.logp - 0.2  # an engine that finds every sampled token e^0.2 times less likely
     objective = PolicyObjective(ClipGate(), TokenMean())
     correcting = Learner(TokenScorer(policy), objective, Optimization(), old_logprobs="trainer",
-                         correction=RolloutCorrection(mode="tis", cap=10.0), sampler_shares_weights=False)  # fmt: skip
+                         correction=RolloutCorrection(mode=mode, cap=10.0), sampler_shares_weights=False)  # fmt: skip
     mask = rollout.completion_mask.float()
     inputs, _ = correcting.step_inputs(rollout, mask)
     logp = TokenScorer(policy).policy_logp(rollout).requires_grad_()
