@@ -82,6 +82,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         training batch (``_sigterm_requested``) and stop together. Lightning's own handler, installed just before,
         broadcasts from inside the signal handler while a rank may be in another collective, and its loops stop the
         signalled rank alone: either way the run hangs (Lightning issue #20806)."""
+        self._sigterm_seen = False  # a callback fitted again starts afresh
         if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._note_sigterm)  # Lightning's teardown restores the handler before it
 
@@ -110,7 +111,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._stopped_in_evaluation(trainer, exception)
+        self._stopped_by_lightning(trainer, exception)
         self._release(trainer)  # a run that fails (a setting refused at setup, a crash) gets no teardown
 
     def _release(self, trainer: Trainer) -> None:
@@ -150,16 +151,19 @@ class ResumeCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_now(trainer)
 
-    def _stopped_in_evaluation(self, trainer: Trainer, exception: BaseException) -> None:
-        """Lightning's evaluation loop stops at SIGTERM with a ``SIGTERMException`` without exit code: a scheduler
-        would read 0 as done. It becomes 143, after the checkpoint of the finished step (one process: under DDP the
-        other processes may not be here to take part in a save)."""
+    def _stopped_by_lightning(self, trainer: Trainer, exception: BaseException) -> None:
+        """Lightning's own loops (its evaluation loop above all) stop at SIGTERM with a ``SIGTERMException`` without
+        exit code: a scheduler would read 0 as done. It becomes 143; a run being fitted first writes the checkpoint
+        of its last whole step (one process: under DDP the others may not be here to take part in a save)."""
         if not isinstance(exception, SIGTERMException) or exception.code is not None:
             return
-        if trainer.state.fn == TrainerFn.FITTING and trainer.world_size == 1:
-            self._save_now(trainer)
         exception.code = SIGTERM_EXIT_CODE
-        rank_zero_info(f"SIGTERM during evaluation: stopped after step {trainer.global_step}; resume from "
+        if trainer.state.fn != TrainerFn.FITTING:
+            rank_zero_info("SIGTERM: stopped")
+            return
+        if trainer.world_size == 1:
+            self._save_now(trainer)
+        rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from "
                        f"{self.last_model_path or 'the last checkpoint'}")  # fmt: skip
 
     def _save_now(self, trainer: Trainer) -> None:

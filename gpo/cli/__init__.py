@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     from gpo.train.module import GPOModule
 
     args = with_shipped_configs(args)
-    GPOCLI(GPOModule, PromptDataModule, args=args, save_config_callback=RunConfig)
+    saving = {"save_config_callback": RunConfig, "save_config_kwargs": {"overwrite": True}}  # a fresh run replaces
+    GPOCLI(GPOModule, PromptDataModule, args=args, **saving)
 
 
 def overview() -> str:

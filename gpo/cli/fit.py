@@ -7,8 +7,9 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
@@ -124,23 +125,31 @@ class GPOCLI(LightningCLI):
 
 
 class RunConfig(SaveConfigCallback):
-    """Saves the run's configuration as ``config.yaml`` in its log folder. A resumed run appending to that folder
-    keeps the file (the configuration that wrote the run's checkpoints, which a refused resume points to: a
+    """Saves the run's configuration as ``config.yaml`` in its log folder. A run resuming a checkpoint into a folder
+    that has one keeps that file (the configuration that wrote the checkpoints, which a refused resume points to: a
     configuration that changes the run is refused) and saves its own next to it as ``config.resume-N.yaml``."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trained = False  # whether this process ran a training batch
+
     @override
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.save_to_log_dir and not self.already_saved:
             folder = Path(trainer.log_dir)  # a collective: every rank calls it
-            name = free_config_name(folder) if trainer.is_global_zero else None
+            resuming = self.config.get("ckpt_path") is not None  # --ckpt_path, as the command gave it
+            name = free_config_name(folder) if resuming and trainer.is_global_zero else "config.yaml"
             self.config_filename = trainer.strategy.broadcast(name)
         super().setup(trainer, pl_module, stage)
 
-    def discard_if_unused(self, trainer) -> None:
+    @override
+    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.trained = True
+
+    def discard_if_unused(self, trainer: Trainer) -> None:
         """Remove the ``config.resume-N.yaml`` this run saved if it stopped before its first training batch (refused
         at set-up). Global rank 0 alone; no collective."""
-        started = trainer.global_step > 0 or trainer.fit_loop.epoch_loop.total_batch_idx >= 0
-        if trainer.is_global_zero and self.already_saved and not started and self.config_filename != "config.yaml":
+        if trainer.is_global_zero and self.already_saved and not self.trained and self.config_filename != "config.yaml":
             (Path(trainer.log_dir) / self.config_filename).unlink(missing_ok=True)
 
 

@@ -165,17 +165,19 @@ async def wait_healthy(
     describe: str,
     interval_s: float = 0.5,
     hints: Mapping[int, str] | None = None,
+    up_status: frozenset[int] = frozenset(),
 ) -> None:
-    """Poll ``GET url`` until it answers 200. A refusal (a 4xx other than 408/429: a wrong token, say) raises
-    ``ServiceError`` at once; no answer, a connection error or a retried status keep polling until ``max_wait_s``
-    (the client's ``health_max_wait_s``) has passed, then raise."""
+    """Poll ``GET url`` until it answers 200 (or a status of ``up_status``: a server without that route is up too).
+    A refusal (a 4xx other than 408/429: a wrong token, say) raises ``ServiceError`` at once; no answer, a connection
+    error or a retried status keep polling until ``max_wait_s`` (the client's ``health_max_wait_s``) has passed,
+    then raise."""
     deadline, last = time.monotonic() + max_wait_s, "no answer"
     while True:
         remaining = deadline - time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=max(min(timeout_s, remaining), 0.1))
             async with session.get(url, timeout=timeout) as response:
-                if response.status == 200:
+                if response.status == 200 or response.status in up_status:
                     return
                 body = await response.text()
                 if not retried_status(response.status):

@@ -28,7 +28,7 @@ STEPPED = {
     "observation": ((str,), "a string"),
     "reward": ((int, float), "a finite number"),
     "done": ((bool,), "true or false"),
-    "info": ((dict,), "an object"),
+    "info": ((dict, type(None)), "an object"),
 }
 
 
@@ -39,9 +39,16 @@ def protocol_problem(answer: Any, fields: Mapping[str, tuple[tuple[type, ...], s
         return f"expected an object with {required}"
     for key, (types, described) in fields.items():
         value = answer.get(key)
-        if key in answer and (type(value) not in types or (float in types and not math.isfinite(value))):
+        if key in answer and (type(value) not in types or (float in types and not _finite(value))):
             return f"its field {key!r} must be {described}, not {value!r:.60}"
     return None
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 class TaskAppError(ServiceError):
@@ -67,7 +74,9 @@ class TaskApp(Episodes):
         backoff_s: wait before the first retry, doubled for each further one.
         max_backoff_s: longest wait between tries.
         retry_max_s: longest time a failing request is retried, from its first failure; None: ``attempts`` alone
-            bounds it. ``attempts: null`` with ``retry_max_s: 120`` rides out an app restarting for two minutes.
+            bounds it. ``attempts: null`` with ``retry_max_s: 120`` rides out an app unreachable or answering 5xx for
+            up to two minutes while its episodes survive (an app restarted with its episodes in memory answers their
+            steps 404, which ends the rollout).
         health_max_wait_s: longest wait for ``GET /health`` to answer 200 at the start of each batch.
     """
 
@@ -121,7 +130,7 @@ class TaskApp(Episodes):
 
     async def step(self, episode: str, action: str, turn: int) -> Step:
         answer = await self._call("POST", f"/episodes/{episode}/step", {"action": action, "turn": turn}, STEPPED)
-        return Step(answer["observation"], float(answer["reward"]), answer["done"], answer.get("info", {}))
+        return Step(answer["observation"], float(answer["reward"]), answer["done"], answer.get("info") or {})
 
     async def close(self, episode: str) -> None:
         await self._call("DELETE", f"/episodes/{episode}", ok_status=frozenset({404}))  # already gone: closed

@@ -1,7 +1,8 @@
 """Judges over HTTP as reward functions: ``event`` scores each policy turn, ``outcome`` each whole episode.
 
 Protocol (the reference server is ``gpo.rewards.judge_app``): ``GET /health`` answers 200 once the judge is ready
-(checked before the first rollout); ``POST /score`` with ``{"kind": "event" | "outcome",
+(checked before the first rollout; a judge without the route, answering 404 or 405, counts as ready once it
+answers); ``POST /score`` with ``{"kind": "event" | "outcome",
 "prompt": STR, "completion": STR, "turns": [{"action", "observation", "reward", "info"}, ...], "turn": INT}``
 answers ``{"score": FLOAT}``. For an event, ``turns`` is the history up to and including the judged turn ``turn``;
 for an outcome, every turn (and ``turn`` is the last).
@@ -23,7 +24,6 @@ JudgeKind = Literal["event", "outcome"]
 TOKEN_ENV = "GPO_JUDGE_TOKEN"  # the shared secret, read by JudgeReward and by the reference judge (judge_app)
 HINTS = {
     401: f"Give the judge's token as JudgeReward's token or the environment variable {TOKEN_ENV}.",
-    404: "A judge answers GET /health with 200 once ready (gpo.rewards.judge's protocol): add the route.",
     413: "The judge refused a body this large (long episodes): raise its --max-body-bytes.",
 }
 
@@ -88,7 +88,8 @@ class JudgeReward(ServedReward):
         async def poll() -> None:
             async with aiohttp.ClientSession(headers=bearer(self.token)) as session:
                 await wait_healthy(session, f"{self.judge_url}/health", max_wait_s=self.health_max_wait_s,
-                                   timeout_s=self.retries.timeout_s, describe=self._describe, hints=HINTS)  # fmt: skip
+                                   timeout_s=self.retries.timeout_s, describe=self._describe, hints=HINTS,
+                                   up_status=frozenset({404, 405}))  # fmt: skip
 
         try:
             asyncio.run(poll())

@@ -264,6 +264,7 @@ GOOD_STEP = {"observation": "higher\n", "reward": 0, "done": False}
         ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": float("nan")}, r"'reward' must be a finite number"),
         ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": True}, r"'reward' must be a finite number, not True"),
         ({"id": "e", "observation": ""}, {**GOOD_STEP, "info": [1]}, r"'info' must be an object"),
+        ({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": 10**400}, r"'reward' must be a finite number"),
         ({"id": "e", "observation": ""}, {"observation": "", "reward": 0}, r"expected an object with \('observation'"),
     ],
 )  # fmt: skip
@@ -278,5 +279,6 @@ def test_an_answer_out_of_protocol_is_refused_naming_the_app_route_and_field(cre
     with serve(answering(created, stepped)) as url, pytest.raises(TaskAppError, match=message) as refused:
         asyncio.run(one_step(url))
     assert f"task_url={url}" in str(refused.value)
-    with serve(answering({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": 1, "info": {}})) as url:
-        assert asyncio.run(one_step(url)) == Step("higher\n", 1.0, False, {})  # an integer reward is a number
+    for info in ({}, None):  # an integer reward is a number; a null info is none
+        with serve(answering({"id": "e", "observation": ""}, {**GOOD_STEP, "reward": 1, "info": info})) as url:
+            assert asyncio.run(one_step(url)) == Step("higher\n", 1.0, False, {})

@@ -127,7 +127,7 @@ def test_a_judge_that_is_down_fails_the_set_up_before_any_rollout_naming_it():
         judge_url=down, health_max_wait_s=0.5, **FAST)], group_size=2)  # fmt: skip
     with pytest.raises(JudgeError, match=rf"judge at judge_url={down} .* did not answer 200 within health_max_wait_s"):
         collector.setup(tiny_model(), char_tokenizer())
-    with serve(web.Application()) as url, pytest.raises(JudgeError, match=r"HTTP 404.*add the route"):
-        JudgeReward(judge_url=url, **FAST).wait_ready()  # a judge without GET /health: the protocol asks for it
+    with serve(web.Application()) as url:
+        JudgeReward(judge_url=url, **FAST).wait_ready()  # a judge without GET /health (404) is up: it answered
     with serve(make_app()) as url:
         Collector(HFEngine(), [JudgeReward(judge_url=url, **FAST)], group_size=2).setup(tiny_model(), char_tokenizer())
