@@ -165,6 +165,10 @@ model:
         pytest.param(("--model.algorithm=RLOO", "--model.algorithm.ppo_clip.dual_clip=0.5"),
                      "gpo fit: error: PPOClip: dual_clip=0.5 must be > 1", id="whose_check_ppo_clip"),
         pytest.param(("--model.optim.lr=-1",), "gpo fit: error: model.optim.lr=-1.0 must be > 0", id="named_by_key"),
+        pytest.param(("--model.evaluation.every_n_iters=5",), "model.evaluation.every_n_iters is not a gpo setting; "
+                     "evaluations are scheduled by the trainer: trainer.val_check_interval", id="other_trainer_nested"),
+        pytest.param(("--model.step_rewards_mode=env_sparse",), "model.step_rewards_mode is not a gpo setting; "
+                     "model.step_rewards: {mode: decision_stepwise", id="other_trainer_key"),
     ],
 )  # fmt: skip
 def test_an_old_or_misspelt_setting_gets_a_short_error_naming_its_new_place(root, capsys, args, says):

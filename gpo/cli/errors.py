@@ -64,6 +64,18 @@ REPLACED_KEYS: dict[str, str] = {
     "or cosine) with model.optim.warmup_steps",
 }
 
+#: Settings of other trainers, by the key a user coming from one writes: where gpo keeps the same thing.
+ELSEWHERE_KEYS: dict[str, str] = {
+    "model.evaluation.every_n_iters": "evaluations are scheduled by the trainer: trainer.val_check_interval: N "
+    "(training batches) with trainer.check_val_every_n_epoch: null",
+    "model.weight_sync_interval": "weight sync is a callback: trainer.callbacks: [{class_path: "
+    "gpo.callbacks.VLLMWeightSync, init_args: {weight_sync_interval: N}}]",
+    "model.step_rewards_mode": "model.step_rewards: {mode: decision_stepwise, beta: 1.0}",
+    "model.step_rewards_beta": "model.step_rewards: {mode: decision_stepwise, beta: 1.0}",
+    "model.reward_blend": "model.mixer: {class_path: gpo.algo.EnvEventOutcomeBlend, init_args: {env, event, outcome}}",
+    "data.episodes_per_batch": "episodes per step are data.prompts_per_step x model.group_size",
+}
+
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "seed_everything", "ckpt_path", "export", "config", "print_config")
 JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
@@ -314,6 +326,10 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
     for old, new in MOVED_KEYS.items():
         if key == old or key.startswith(old + "."):
             return [f"{old} moved: {new}."]
+    written = key.replace(".init_args.", ".")  # as on the command line: model.evaluation.every_n_iters
+    for foreign, instead in ELSEWHERE_KEYS.items():
+        if written == foreign or written.startswith(foreign + "."):
+            return [f"{foreign} is not a gpo setting; {instead} (docs/training.md maps other trainers' settings)."]
     for lightning, instead in REPLACED_KEYS.items():
         if key == lightning or key.startswith(lightning + "."):
             return [f"{instead}."]
