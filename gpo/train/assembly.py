@@ -81,7 +81,7 @@ def assemble(
     preflight.check_behaviour_policy(old_logprobs, correction is not None, max_off_policy_steps)
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
     preflight.check_distillation(distill, teacher)
-    preflight.check_step_rewards(step_rewards, engine)
+    preflight.check_step_rewards(step_rewards, engine, parts.gate)
     sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
     pipeline = None
     if max_off_policy_steps:

@@ -303,13 +303,22 @@ def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches:
         )
 
 
-def check_step_rewards(step_rewards: Any, engine: Any) -> None:
-    """Per-turn credit needs the turn rewards and turn indices that only an episodic (multi-turn) engine records."""
-    if step_rewards is not None and not engine.episodic:
+def check_step_rewards(step_rewards: Any, engine: Any, gate: RatioGate) -> None:
+    """Per-turn credit needs the turn rewards and turn indices that only an episodic (multi-turn) engine records; a
+    gate that averages the advantage over the sequence turns it into one shift per sequence (warned)."""
+    if step_rewards is None:
+        return
+    if not engine.episodic:
         raise ValueError(
             f"model.step_rewards needs multi-turn rollouts, and model.engine is {type(engine).__name__}: set "
             "model.engine to a MultiTurnEngine (configs/multiturn.yaml), or remove model.step_rewards."
         )
+    if not gate.per_token_advantage:
+        log.warning(
+            "model.step_rewards gives each turn's tokens their own advantage, but the gate %s averages the advantage "
+            "over each sequence: the turns' credit reaches it as one shift per sequence. For per-turn credit use a "
+            "token-level gate (grpo, dapo, cispo, ...; or GSPO's per_token_advantage: true).", type(gate).__name__,
+        )  # fmt: skip
 
 
 def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> None:

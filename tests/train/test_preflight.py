@@ -390,3 +390,20 @@ def test_only_a_pipelined_hf_engine_samples_in_a_worker_process(root):
             max_off_policy_steps=steps, old_logprobs="rollout",
         )  # fmt: skip
         assert module.feed.sampler_process is expected
+
+
+def test_step_rewards_under_a_gate_that_averages_the_advantage_over_the_sequence_warn(caplog):
+    from gpo.algo import StepRewards
+    from gpo.algo.gates import ClipGate, GeometricMeanGate, SequenceClipGate
+    from gpo.envs import NumberGuess
+    from gpo.rollout import MultiTurnEngine
+    from gpo.train.preflight import check_step_rewards
+
+    episodes = MultiTurnEngine(engine=HFEngine(), env=NumberGuess())
+    for gate, warns in [(SequenceClipGate(), True), (GeometricMeanGate(), True), (ClipGate(), False),
+                        (SequenceClipGate(per_token_advantage=True), False)]:  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gpo.train.preflight"):
+            check_step_rewards(StepRewards(mode="decision_stepwise"), episodes, gate)
+        said = f"the gate {type(gate).__name__} averages the advantage over each sequence" in caplog.text
+        assert said == warns, (gate, caplog.text)

@@ -24,11 +24,14 @@ class RatioGate(ABC):
     router log-probs); the trainer computes exactly those and passes them by name. Inputs named ``old_*`` are
     computed once per step over the rollout, before the first update; the others in each gradient pass. A gate that
     reads the old policy's most likely tokens (``old_topk_logp``, and the current policy's ``topk_logp`` at those
-    tokens) says how many in ``topk_tokens``.
+    tokens) says how many in ``topk_tokens``. A gate that averages the advantage over each sequence before using it
+    (GSPO, GMPO) sets ``per_token_advantage`` False: per-token credit (step rewards) reaches it as one shift per
+    sequence.
     """
 
     requires: ClassVar[frozenset[str]] = frozenset()
     topk_tokens: int = 0
+    per_token_advantage: bool = True
 
     @abstractmethod
     def __call__(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, Metrics]:

@@ -90,6 +90,8 @@ class GeometricMeanGate(RatioGate):
         clip_high: how far (in log space) a ratio may rise (paper: 0.4).
     """
 
+    per_token_advantage = False  # the sequence score is A_i times a geometric mean
+
     def __init__(self, *, clip_low: float = 0.4, clip_high: float = 0.4) -> None:
         check_positive(clip_low=clip_low, clip_high=clip_high)
         self.clip_low, self.clip_high = clip_low, clip_high
