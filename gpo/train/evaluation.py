@@ -11,6 +11,7 @@ import torch
 from lightning import LightningModule
 from torch import Tensor
 
+from gpo.rewards.runner import reward_name
 from gpo.rollout.base import Rollout, Sampling
 from gpo.rollout.collector import Collector
 from gpo.seeds import stream_seed
@@ -27,7 +28,9 @@ class Evaluation:
     evaluation's own temperature and top-p, so evaluations are comparable across the run. A completion passes when
     its reward is at least ``pass_threshold``. Logged: ``val/reward_greedy``, ``val/pass@1_greedy``,
     ``val/reward_sampled`` and ``val/pass@1_sampled`` (means over the sampled completions), ``val/pass@k`` (the
-    fraction of prompts with at least one passing sample among its k), each averaged over the seeds.
+    fraction of prompts with at least one passing sample among its k), each averaged over the seeds. With several
+    reward functions, each one's mean too: ``val/reward_greedy/<name>``, ``val/reward_sampled/<name>`` (``pass``
+    reads the mixed reward).
 
     Args:
         samples: sampled completions per prompt and seed (the k of pass@k).
@@ -63,9 +66,10 @@ class Evaluation:
 def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settings: Evaluation) -> dict[str, Tensor]:
     """The evaluation metrics of ``batch`` (see ``Evaluation``) and ``val/reward_errors_{kind}/<name>`` (counts of
     samples scored as ``reward_errors.value``)."""
-    errors, sampled = Counter(), []
+    errors, sampled, parts = Counter(), [], []
     greedy = collector.score(collector.sample(batch, seed=None, greedy=True, n=1), errors)
     metrics = {"val/reward_greedy": greedy.reward.mean(), "val/pass@1_greedy": _passed(greedy, settings).mean()}
+    metrics |= _each_reward("val/reward_greedy", collector, greedy.scores.mean(0))
     metrics |= {f"val/reward_errors_greedy/{name}": greedy.reward.new_tensor(c) for name, c in errors.items()}
     errors, sampling = Counter(), settings.sampling(collector.engine.sampling)
     for seed in settings.seeds:
@@ -77,8 +81,10 @@ def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settin
         _, prompt = torch.unique(rollout.group, return_inverse=True)  # [B]
         any_passed = passed.new_zeros(int(prompt.max()) + 1).scatter_reduce(0, prompt, passed, "amax")  # [prompts]
         sampled.append(torch.stack([rollout.reward.mean(), passed.mean(), any_passed.mean()]))  # [3]
+        parts.append(rollout.scores.mean(0))  # [K]
     reward, pass1, passk = torch.stack(sampled).mean(0)  # over the seeds
     metrics |= {"val/reward_sampled": reward, "val/pass@1_sampled": pass1, f"val/pass@{settings.samples}": passk}
+    metrics |= _each_reward("val/reward_sampled", collector, torch.stack(parts).mean(0))
     return metrics | {f"val/reward_errors_sampled/{name}": reward.new_tensor(c) for name, c in errors.items()}
 
 
@@ -90,6 +96,13 @@ def log_evaluation(module: LightningModule, metrics: dict[str, Tensor], prompts:
             module.log(name, value, batch_size=prompts, reduce_fx="sum", sync_dist=True)  # summed over the ranks
         else:
             module.log(name, value, batch_size=prompts, prog_bar=name == "val/reward_greedy", sync_dist=True)
+
+
+def _each_reward(prefix: str, collector: Collector, means: Tensor) -> dict[str, Tensor]:
+    """``means[K]`` of the reward functions under ``prefix/<name>`` when there are several (one is the reward)."""
+    if len(collector.rewards) < 2:
+        return {}
+    return {f"{prefix}/{reward_name(fn)}": mean for fn, mean in zip(collector.rewards, means, strict=True)}
 
 
 def _passed(rollout: Rollout, settings: Evaluation) -> Tensor:

@@ -12,6 +12,7 @@ from gpo.algo import KLPenalty
 from gpo.callbacks import ExportPolicy
 from gpo.models.loading import LoraSettings, check_trainer_mode
 from gpo.models.scorer import score_tokens
+from gpo.rewards import positional_match
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
@@ -69,11 +70,19 @@ def test_lora_trains_only_the_adapter_and_uses_it_as_reference_switch(workspace)
 
 def test_full_run_exports_a_folder_transformers_loads_and_evaluates(workspace):
     _, model, _ = workspace
-    module = tiny_module(model, evaluation=Evaluation(samples=2, pass_threshold=0.5))
+
+    def half(prompts, completions, **_):
+        return [0.5] * len(completions)
+
+    module = tiny_module(model, [positional_match, half], evaluation=Evaluation(samples=2, pass_threshold=0.5))
     trainer = fit(module, workspace, 4, "full", val_check_interval=2)
     logged = trainer.callback_metrics
     for key in ("val/reward_greedy", "val/pass@1_greedy", "val/reward_sampled", "val/pass@1_sampled"):
-        assert key in logged and 0 <= float(logged[key]) <= 1
+        assert key in logged and 0 <= float(logged[key]) <= 1.5
+    for kind in ("greedy", "sampled"):  # each reward function's mean; the mixed reward is their sum
+        assert float(logged[f"val/reward_{kind}/half"]) == 0.5
+        parts = float(logged[f"val/reward_{kind}/positional_match"]) + 0.5
+        assert float(logged[f"val/reward_{kind}"]) == pytest.approx(parts, abs=1e-6)
     folder = trainer.log_dir + "/export"
     exported, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     assert tokenizer.decode(tokenizer("12 3").input_ids) == "12 3"
