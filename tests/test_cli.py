@@ -1,5 +1,7 @@
 """``gpo fit`` logs to CSV and TensorBoard by default, and ``gpo plot`` draws the run it wrote."""
 
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -8,7 +10,7 @@ from pathlib import Path
 import lightning.pytorch  # noqa: F401
 import pytest
 
-from gpo.cli import main
+from gpo.cli import main, run
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 
@@ -270,3 +272,20 @@ def test_a_refused_resume_keeps_the_config_that_wrote_the_checkpoint_which_then_
     assert (version / "config.yaml").read_text() == original
     resumed = (version / "config.resume-1.yaml").read_text()
     assert "max_steps: 4" in resumed and "max_steps: 2" in original
+
+
+@pytest.mark.parametrize("number", [errno.EROFS, errno.ENOSPC])
+def test_a_folder_that_cannot_be_written_is_one_line_naming_it(monkeypatch, capsys, number):
+    """A read-only mount or a full disk, as the loggers meet it when the run starts (root ignores permissions, so
+    the error is raised where the real one would be)."""
+    import gpo.cli
+
+    def refuse(args):
+        raise OSError(number, os.strerror(number), "/mnt/runs/lightning_logs")
+
+    monkeypatch.setattr(gpo.cli, "main", refuse)
+    with pytest.raises(SystemExit) as stopped:
+        run(["fit", "--config", "quickstart"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert f"gpo fit: error: [Errno {number}] {os.strerror(number)}: '/mnt/runs/lightning_logs'" in err

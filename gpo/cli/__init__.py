@@ -4,6 +4,7 @@ transformers). ``gpo --help`` lists them."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -34,6 +35,10 @@ USER_ERRORS = (
     TimeoutError,
     FloatingPointError,
 )
+
+#: ``OSError`` numbers of a disk that refuses to be written (read-only, not allowed, full, over quota): the message
+#: names the path, which is what to fix.
+UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 
 __all__ = ["GPOCLI", "default_loggers", "main", "run"]
 # Lightning's CLI is imported when first used: ``gpo --help`` and the small commands start without Lightning (about
@@ -108,14 +113,16 @@ def run(argv: list[str] | None = None) -> None:
 
 def is_user_error(error: Exception) -> bool:
     """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, a checkpoint that cannot be used,
-    a trainer setting Lightning refuses, or a task app, judge or server that is down or refuses: its message names the
-    address and the fix), which ``run`` prints as a short message."""
+    a trainer setting Lightning refuses, a task app, judge or server that is down or refuses: its message names the
+    address and the fix; or a folder that cannot be written, named by its path), which ``run`` prints as a short
+    message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException  # only once something has failed
 
     from gpo.envs.http import ServiceError
     from gpo.train.checkpointing import CheckpointError
 
-    return isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError))
+    unwritable = isinstance(error, OSError) and error.errno in UNWRITABLE
+    return unwritable or isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError))
 
 
 def known_groups() -> dict[str, type]:
