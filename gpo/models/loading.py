@@ -214,6 +214,19 @@ def load_policy(
     return model if mode == "full" else add_lora(model, lora or LoraSettings(), quantized=mode == "qlora")
 
 
+def prepared_policy(model: PreTrainedModel, mode: TrainerMode, lora: LoraSettings | None) -> PreTrainedModel:
+    """A policy given loaded, made what ``mode`` trains: with ``lora``, a LoRA adapter added unless it is a peft model
+    already (then its own adapter trains, as it does whatever ``mode`` says). ``qlora`` loads the base in 4 bits from
+    its folder, so it needs one."""
+    if mode == "qlora":
+        raise ValueError("model.trainer_mode='qlora' loads the base model in 4 bits from its folder: give model.policy "
+                         "as a folder, not a loaded model (or use trainer_mode: lora).")  # fmt: skip
+    check_trainer_mode(mode)
+    if mode == "lora" and not is_peft(model):
+        return add_lora(model, lora or LoraSettings())
+    return model
+
+
 def add_lora(model: PreTrainedModel, settings: LoraSettings, *, quantized: bool = False) -> PreTrainedModel:
     """Wrap ``model`` in a peft model with a fresh LoRA adapter; only the adapter trains."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training

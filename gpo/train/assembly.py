@@ -16,7 +16,16 @@ from gpo.algo.objective import PolicyObjective
 from gpo.algo.presets import Algorithm, preset
 from gpo.algo.turns import StepRewards
 from gpo.algo.weighting import TokenWeight
-from gpo.models.loading import DType, LoraSettings, TrainerMode, is_peft, load_policy, load_tokenizer, unwrap
+from gpo.models.loading import (
+    DType,
+    LoraSettings,
+    TrainerMode,
+    is_peft,
+    load_policy,
+    load_tokenizer,
+    prepared_policy,
+    unwrap,
+)
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import LocalTeacher, Teacher
 from gpo.rewards.runner import RewardErrors, RewardFn
@@ -90,7 +99,9 @@ def assemble(
     objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
                                 masks=masks, distill=distill)  # fmt: skip
     loaded = isinstance(policy, torch.nn.Module)
-    model = policy if loaded else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora)
+    preflight.warn_if_lora_unused(trainer_mode, lora)
+    model = (prepared_policy(policy, trainer_mode, lora) if loaded
+             else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora))  # fmt: skip
     model.train()  # at rest in train mode, as Lightning expects; scoring and sampling switch to eval
     tokenizer = tokenizer if tokenizer is not None else None if loaded else policy
     field = "model.policy" if tokenizer is policy else "model.tokenizer"

@@ -303,6 +303,13 @@ def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches:
         )
 
 
+def warn_if_lora_unused(trainer_mode: str, lora: Any) -> None:
+    """LoRA settings under ``trainer_mode: full`` train nothing: say so rather than ignore them."""
+    if trainer_mode == "full" and lora is not None:
+        log.warning("model.lora is set but model.trainer_mode is 'full': the whole model trains and the LoRA settings "
+                    "are not used (set trainer_mode: lora to train an adapter).")  # fmt: skip
+
+
 def check_step_rewards(step_rewards: Any, engine: Any, gate: RatioGate) -> None:
     """Per-turn credit needs the turn rewards and turn indices that only an episodic (multi-turn) engine records; a
     gate that averages the advantage over the sequence turns it into one shift per sequence (warned)."""

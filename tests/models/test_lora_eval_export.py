@@ -223,3 +223,25 @@ def test_an_adapter_records_its_base_model_as_an_absolute_folder(workspace, monk
     monkeypatch.chdir(root)
     policy = load_policy("model", dtype="float32", mode="lora", lora=LoraSettings(r=4, alpha=8))
     assert policy.peft_config["default"].base_model_name_or_path == str(Path(model).resolve())
+
+
+def test_a_loaded_policy_gets_the_adapter_trainer_mode_asks_for(caplog):
+    """It trained the whole model, silently, whatever trainer_mode said."""
+    from gpo.models.loading import add_lora, is_peft
+    from gpo.rollout import HFEngine
+    from gpo.testing import char_tokenizer, tiny_model
+    from gpo.train.module import GPOModule
+
+    def policy(loaded=None, **kwargs):
+        return GPOModule(loaded or tiny_model("llama"), [positional_match], engine=HFEngine(),
+                         tokenizer=char_tokenizer(), **kwargs).policy  # fmt: skip
+
+    lora = policy(trainer_mode="lora", lora=LoraSettings(r=4, alpha=8))
+    assert is_peft(lora) and all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+    wrapped = add_lora(tiny_model("llama"), LoraSettings(r=2, alpha=4))
+    assert policy(wrapped, trainer_mode="lora") is wrapped  # a peft model keeps its own adapter
+    with caplog.at_level("WARNING", logger="gpo.train.preflight"):
+        full = policy(trainer_mode="full", lora=LoraSettings(r=4, alpha=8))
+    assert not is_peft(full) and "model.lora is set but model.trainer_mode is 'full'" in caplog.text
+    with pytest.raises(ValueError, match=r"give model\.policy as a folder, not a loaded model"):
+        policy(trainer_mode="qlora")
