@@ -270,7 +270,7 @@ def test_a_refused_resume_keeps_the_config_that_wrote_the_checkpoint_which_then_
     assert [p.name for p in version.glob("config*")] == ["config.yaml"]  # the refused attempt left nothing
     main(["fit", f"--config={version / 'config.yaml'}", "--ckpt_path=last", "--trainer.max_steps=4"])
     assert (version / "config.yaml").read_text() == original
-    resumed = (version / "config.resume-1.yaml").read_text()
+    resumed = (version / "config-2.yaml").read_text()
     assert "max_steps: 4" in resumed and "max_steps: 2" in original
 
 
@@ -289,3 +289,14 @@ def test_a_folder_that_cannot_be_written_is_one_line_naming_it(monkeypatch, caps
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "Traceback" not in err
     assert f"gpo fit: error: [Errno {number}] {os.strerror(number)}: '/mnt/runs/lightning_logs'" in err
+
+
+def test_a_refused_fresh_run_in_a_fixed_log_folder_leaves_the_earlier_runs_config(root):
+    """Without the default loggers the log folder is the run folder itself: a second fresh run there is refused (an
+    earlier run's checkpoint), and the config.yaml that wrote that checkpoint stays as it was."""
+    folder = fit(root, "fixed", "--trainer.logger=false")
+    original = (folder / "config.yaml").read_text()
+    with pytest.raises(FileExistsError, match=r"holds an earlier run's checkpoint"):
+        fit(root, "fixed", "--trainer.logger=false", "--model.optim.lr=0.02")
+    assert (folder / "config.yaml").read_text() == original
+    assert sorted(p.name for p in folder.glob("config*")) == ["config.yaml"]

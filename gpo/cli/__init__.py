@@ -36,8 +36,8 @@ USER_ERRORS = (
     FloatingPointError,
 )
 
-#: ``OSError`` numbers of a disk that refuses to be written (read-only, not allowed, full, over quota): the message
-#: names the path, which is what to fix.
+#: ``OSError`` numbers of a disk that refuses to be written (read-only, not allowed, full, over quota): with the path
+#: in the message, which is what to fix.
 UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 
 __all__ = ["GPOCLI", "default_loggers", "main", "run"]
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from gpo.train.module import GPOModule
 
     args = with_shipped_configs(args)
-    saving = {"save_config_callback": RunConfig, "save_config_kwargs": {"overwrite": True}}  # a fresh run replaces
-    GPOCLI(GPOModule, PromptDataModule, args=args, **saving)
+    GPOCLI(GPOModule, PromptDataModule, args=args, save_config_callback=RunConfig)
 
 
 def overview() -> str:
@@ -121,7 +120,7 @@ def is_user_error(error: Exception) -> bool:
     from gpo.envs.http import ServiceError
     from gpo.train.checkpointing import CheckpointError
 
-    unwritable = isinstance(error, OSError) and error.errno in UNWRITABLE
+    unwritable = isinstance(error, OSError) and error.errno in UNWRITABLE and error.filename is not None
     return unwritable or isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError))
 
 

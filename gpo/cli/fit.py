@@ -52,7 +52,7 @@ class GPOCLI(LightningCLI):
             if self.new_version:  # a run refused at set-up leaves no version_N folder behind to skip a number
                 discard_unused_version(self.trainer)
             for callback in self.trainer.callbacks:
-                if isinstance(callback, RunConfig):  # nor, resuming, a config.resume-N.yaml of a run never made
+                if isinstance(callback, RunConfig):  # nor a config-N.yaml of a run never made
                     callback.discard_if_unused(self.trainer)
             raise
 
@@ -125,9 +125,11 @@ class GPOCLI(LightningCLI):
 
 
 class RunConfig(SaveConfigCallback):
-    """Saves the run's configuration as ``config.yaml`` in its log folder. A run resuming a checkpoint into a folder
-    that has one keeps that file (the configuration that wrote the checkpoints, which a refused resume points to: a
-    configuration that changes the run is refused) and saves its own next to it as ``config.resume-N.yaml``."""
+    """Saves the run's configuration as ``config.yaml`` in its log folder; a later run in the same folder (a resume
+    appending to it, or a run whose logger has a fixed folder) keeps that file and saves its own next to it as
+    ``config-N.yaml``. So ``config.yaml`` stays the configuration that wrote the run's first checkpoint, which a
+    refused resume points to (a configuration that changes the run is refused); a run refused at set-up removes the
+    file it saved."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -137,8 +139,7 @@ class RunConfig(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.save_to_log_dir and not self.already_saved:
             folder = Path(trainer.log_dir)  # a collective: every rank calls it
-            resuming = self.config.get("ckpt_path") is not None  # --ckpt_path, as the command gave it
-            name = free_config_name(folder) if resuming and trainer.is_global_zero else "config.yaml"
+            name = free_config_name(folder) if trainer.is_global_zero else None
             self.config_filename = trainer.strategy.broadcast(name)
         super().setup(trainer, pl_module, stage)
 
@@ -147,15 +148,15 @@ class RunConfig(SaveConfigCallback):
         self.trained = True
 
     def discard_if_unused(self, trainer: Trainer) -> None:
-        """Remove the ``config.resume-N.yaml`` this run saved if it stopped before its first training batch (refused
-        at set-up). Global rank 0 alone; no collective."""
+        """Remove the ``config-N.yaml`` this run saved next to an earlier run's ``config.yaml`` if it stopped before
+        its first training batch (refused at set-up). Global rank 0 alone; no collective."""
         if trainer.is_global_zero and self.already_saved and not self.trained and self.config_filename != "config.yaml":
             (Path(trainer.log_dir) / self.config_filename).unlink(missing_ok=True)
 
 
 def free_config_name(folder: Path) -> str:
-    """``config.yaml``, or the first ``config.resume-N.yaml`` (N = 1, 2, ...) not yet in ``folder``."""
-    names = ["config.yaml", *(f"config.resume-{n}.yaml" for n in range(1, 10_000))]
+    """``config.yaml``, or the first ``config-N.yaml`` (N = 2, 3, ...) not yet in ``folder``."""
+    names = ["config.yaml", *(f"config-{n}.yaml" for n in range(2, 10_000))]
     return next(name for name in names if not (folder / name).exists())
 
 

@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     TokenizersBackend,
 )
+from transformers.pytorch_utils import Conv1D
 
 from gpo.models import gguf_cache
 from gpo.suggest import did_you_mean
@@ -250,10 +251,11 @@ def check_target_modules(model: torch.nn.Module, targets: list[str] | None) -> N
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets or () if not any(name == t or name.endswith("." + t) for name in names)]
     if missing:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        layers = (nn.Linear, Conv1D)  # Conv1D: GPT-2's linear layers
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, layers)})
         guess = did_you_mean(missing[0], linear)
         raise ValueError(
-            f"model.lora.target_modules: {missing} names no module of the model{'; ' + guess if guess else ''}. Its "
+            f"model.lora.target_modules: {missing} names no module of the model{'; ' + guess if guess else '.'} Its "
             f"linear layers are named {linear} (leave target_modules out to adapt them all but the output layer)."
         )
 

@@ -24,6 +24,7 @@ JudgeKind = Literal["event", "outcome"]
 TOKEN_ENV = "GPO_JUDGE_TOKEN"  # the shared secret, read by JudgeReward and by the reference judge (judge_app)
 HINTS = {
     401: f"Give the judge's token as JudgeReward's token or the environment variable {TOKEN_ENV}.",
+    404: "A judge answers POST /score: check judge_url (host, port and any path prefix).",
     413: "The judge refused a body this large (long episodes): raise its --max-body-bytes.",
 }
 

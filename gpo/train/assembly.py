@@ -99,7 +99,7 @@ def assemble(
     objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
                                 masks=masks, distill=distill)  # fmt: skip
     loaded = isinstance(policy, torch.nn.Module)
-    preflight.warn_if_lora_unused(trainer_mode, lora)
+    preflight.warn_if_lora_unused(trainer_mode, lora, loaded and is_peft(policy))
     model = (prepared_policy(policy, trainer_mode, lora) if loaded
              else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora))  # fmt: skip
     model.train()  # at rest in train mode, as Lightning expects; scoring and sampling switch to eval

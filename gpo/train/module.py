@@ -54,7 +54,7 @@ class GPOModule(RolloutSource, LightningModule):
 
     Args:
         policy: folder of a transformers causal LM (``from_pretrained``), or a loaded model (``trainer_mode: lora``
-            adds an adapter to it, unless it is a peft model already, whose own adapter then trains).
+            adds an adapter to it in place, unless it is a peft model already, whose own adapter then trains).
         rewards: reward functions ``(prompts, completions, **columns) -> list[float]`` (import paths in YAML).
         engine: the rollout engine, e.g. ``gpo.rollout.HFEngine`` (transformers ``generate``; ``gpo fit``'s default).
         algorithm: a preset by class with its settings (``GRPO``, ``DAPO``, ... in ``gpo.algo``; ``Custom`` for any

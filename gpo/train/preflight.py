@@ -180,6 +180,9 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
     """What can be refused from the arguments alone, before any weights load (the rest: ``check_run``)."""
     if isinstance(policy, str):
         check_pretrained_folder(policy, "model.policy", "model")
+    elif tokenizer is None:
+        raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer= (a tokenizer, or "
+                         "the folder it was saved in).")  # fmt: skip
     field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
     if isinstance(path, str):
         check_pretrained_folder(path, field, "tokenizer")
@@ -187,6 +190,7 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
         raise ValueError("model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
     for index, fn in enumerate(rewards):
         check_reward_signature(fn, index)
+    check_reward_names(rewards)
     if mixer is not None and mixer.weights is not None and len(mixer.weights) != len(rewards):
         raise ValueError(
             f"model.mixer ({type(mixer).__name__}) has {len(mixer.weights)} weights for the {len(rewards)} "
@@ -196,6 +200,18 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
         raise ValueError(
             f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
             "set it to >= 2 (8 is usual)."
+        )
+
+
+def check_reward_names(rewards: Sequence[Any]) -> None:
+    """Each reward's mean is logged as ``reward/<name>``: two with one name would share the key, one of them lost."""
+    names = [reward_name(fn) for fn in rewards]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        where = ", ".join(f"model.rewards[{i}]" for i, name in enumerate(names) if name in twice)
+        raise ValueError(
+            f"{where} are all named {twice[0]!r}: their means would be logged under one key (reward/{twice[0]}). "
+            "Give each its own name: a def of its own, a `name` attribute, or fn.__name__ = '...' for a lambda."
         )
 
 
@@ -303,9 +319,15 @@ def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches:
         )
 
 
-def warn_if_lora_unused(trainer_mode: str, lora: Any) -> None:
-    """LoRA settings under ``trainer_mode: full`` train nothing: say so rather than ignore them."""
-    if trainer_mode == "full" and lora is not None:
+def warn_if_lora_unused(trainer_mode: str, lora: Any, given_peft: bool) -> None:
+    """LoRA settings that make no adapter (``trainer_mode: full``, or a policy given as a peft model, whose own adapter
+    trains): say so rather than ignore them."""
+    if lora is None:
+        return
+    if given_peft:
+        log.warning("model.lora is set but model.policy is a peft model: its own adapter trains, and the LoRA "
+                    "settings are not used.")  # fmt: skip
+    elif trainer_mode == "full":
         log.warning("model.lora is set but model.trainer_mode is 'full': the whole model trains and the LoRA settings "
                     "are not used (set trainer_mode: lora to train an adapter).")  # fmt: skip
 
@@ -350,8 +372,6 @@ def check_run(module, trainer) -> None:
     from gpo.parallel import collectives, fsdp
     from gpo.train.data import PromptDataModule
 
-    if module.tokenizer is None:
-        raise ValueError("GPOModule was given a loaded model without a tokenizer; pass tokenizer=.")
     embedding_rows = module.model.get_input_embeddings().num_embeddings
     check_tokenizer(module.tokenizer, "model.tokenizer, by default model.policy's folder", embedding_rows)
     objective, optim = module.learner.objective, module.learner.optim

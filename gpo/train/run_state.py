@@ -95,17 +95,17 @@ REPLAY_NEUTRAL = frozenset({"micro_batch_size", "max_consecutive_nonfinite"})
 
 
 def describe_settings(module) -> dict[str, str]:
-    """The settings of a ``GPOModule``'s run a resume may change without becoming another run (``describe_run``),
-    by their configuration keys: optimisation, sampling, KL and entropy terms, the rollout seed."""
-    sampling = "model.engine.init_args.sampling"
+    """The settings of a ``GPOModule``'s run a resume may change without becoming another run (``describe_run``):
+    optimisation, the engine's sampling (a multi-turn engine's per episode: turns x each turn's), the KL and entropy
+    terms' plain settings, the rollout seed; by their configuration keys where they have one."""
     objective = module.learner.objective
     optim = {k: v for k, v in dataclasses.asdict(module.learner.optim).items() if k not in REPLAY_NEUTRAL}
     return {
         **{f"model.optim.{k}": repr(v) for k, v in optim.items()},
-        **{f"{sampling}.{k}": repr(v) for k, v in dataclasses.asdict(module.collector.engine.sampling).items()},
+        "the engine's sampling": repr(module.collector.engine.sampling),
         "model.kl": describe(objective.kl) if objective.kl is not None else "None",
         "model.entropy": describe(objective.entropy) if objective.entropy is not None else "None",
-        "model.seed": repr(module.collector.seed),
+        "the rollout seed (model.seed, else seed_everything)": repr(module.collector.seed),
     }
 
 
@@ -117,10 +117,11 @@ def warn_changed_settings(saved: dict[str, str], current: dict[str, str]) -> Non
     if not changed:
         return
     parts = [_change(key, saved[key], current[key]) for key in changed]
+    kept = any(key in RESTORED_FROM_CHECKPOINT for key in changed)
     rank_zero_warn(
         f"resumed with settings changed since the checkpoint: {'; '.join(parts)}. The run goes on with them, so it "
-        "does not replay the one that wrote the checkpoint; to change the learning rate, start a new run from the "
-        "exported policy."
+        "does not replay the one that wrote the checkpoint"
+        + ("; to change the learning rate, start a new run from the exported policy." if kept else ".")
     )
 
 

@@ -239,9 +239,23 @@ def test_a_loaded_policy_gets_the_adapter_trainer_mode_asks_for(caplog):
     lora = policy(trainer_mode="lora", lora=LoraSettings(r=4, alpha=8))
     assert is_peft(lora) and all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
     wrapped = add_lora(tiny_model("llama"), LoraSettings(r=2, alpha=4))
-    assert policy(wrapped, trainer_mode="lora") is wrapped  # a peft model keeps its own adapter
+    with caplog.at_level("WARNING", logger="gpo.train.preflight"):
+        assert policy(wrapped, trainer_mode="lora", lora=LoraSettings(r=8)) is wrapped  # it keeps its own adapter
+    assert "model.lora is set but model.policy is a peft model: its own adapter trains" in caplog.text
+    caplog.clear()
     with caplog.at_level("WARNING", logger="gpo.train.preflight"):
         full = policy(trainer_mode="full", lora=LoraSettings(r=4, alpha=8))
     assert not is_peft(full) and "model.lora is set but model.trainer_mode is 'full'" in caplog.text
     with pytest.raises(ValueError, match=r"give model\.policy as a folder, not a loaded model"):
         policy(trainer_mode="qlora")
+
+
+def test_a_misspelt_target_module_of_a_gpt2_model_lists_its_conv1d_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpo.models.loading import check_target_modules
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match=r"did you mean c_attn\? Its linear layers are named \['c_attn', 'c_fc'"):
+        check_target_modules(gpt2, ["c_atn"])
+    check_target_modules(gpt2, ["c_attn"])  # peft adapts Conv1D: accepted
