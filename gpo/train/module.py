@@ -159,8 +159,9 @@ class GPOModule(RolloutSource, LightningModule):
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_model(self) -> None:
-        # FSDP2: the policy's blocks and the frozen models' are sharded alike; other strategies change nothing.
-        if fsdp.is_sharded(self.trainer.strategy):
+        # FSDP2: the policy's blocks and the frozen models' are sharded alike; other strategies change nothing. Without
+        # a trainer (load_from_checkpoint) there is nothing to shard.
+        if self._trainer is not None and fsdp.is_sharded(self.trainer.strategy):
             self.trainer.strategy.shard(self.model)
             for frozen in self._frozen_models():
                 self.trainer.strategy.shard(frozen, trainable=False)
@@ -193,7 +194,8 @@ class GPOModule(RolloutSource, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("gpo", {})
-        check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
+        where = str(self.trainer.ckpt_path) if self._trainer is not None else "the checkpoint"  # load_from_checkpoint
+        check_same_run(state.get("run", {}), describe_run(self), where)
         warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))

@@ -301,3 +301,17 @@ def test_training_starts_without_modules_left_in_eval_mode(workspace):
         trainer.fit(module, prompts(model, data))
     assert not [w for w in caught if "eval mode" in str(w.message)]
     assert all(m.training for m in module.policy.modules())
+
+
+def test_load_from_checkpoint_rebuilds_the_module_with_its_trained_weights(workspace, tmp_path):
+    """Lightning's way back from a checkpoint: the constructor's arguments given again (the module saves no
+    hyper-parameters: rewards and engines are code), the weights from the file."""
+    model, data = workspace
+    module = tiny_module(model)
+    trainer = quiet_trainer(2)
+    trainer.fit(module, prompts(model, data, 2))
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    kwargs = {"group_size": 4, "engine": HFEngine(sampling=Sampling(max_new_tokens=4))}
+    loaded = GPOModule.load_from_checkpoint(tmp_path / "two.ckpt", policy=model, rewards=[positional_match], **kwargs)
+    for (name, trained), again in zip(module.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(trained, again), name
