@@ -386,6 +386,12 @@ def check_run(module, trainer) -> None:
                           collectives.world_size())  # fmt: skip
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
+    if trainer is not None and trainer.max_steps > 0 and trainer.max_steps % updates:
+        log.warning(
+            "trainer.max_steps=%d is not a multiple of the %d optimiser steps each batch takes (number_of_minibatches "
+            "x ppo_epochs): the run ends after %d, and a linear or cosine schedule reaches 0 at step %d.",
+            trainer.max_steps, updates, -(-trainer.max_steps // updates) * updates, trainer.max_steps,
+        )  # fmt: skip
     if trainer is not None:
         if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero:
             warn_if_sampler_never_synced(module.learner.sampler_shares_weights, trainer.callbacks)

@@ -131,6 +131,17 @@ def test_several_updates_per_rollout_without_a_ratio_gate_warn(root, caplog):
     assert "2 optimiser updates per rollout" in caplog.text and "ppo_clip: {}" in caplog.text
 
 
+def test_max_steps_that_is_not_a_multiple_of_the_updates_per_batch_warns(root, caplog):
+    with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # a warning, not an error
+        fit(root, "--model.optim.number_of_minibatches=2", "--trainer.max_steps=3")
+    assert "trainer.max_steps=3 is not a multiple of the 2 optimiser steps each batch takes" in caplog.text
+    assert "the run ends after 4" in caplog.text
+    caplog.clear()
+    with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):
+        fit(root, "--model.optim.number_of_minibatches=2", "--trainer.max_steps=4")
+    assert "is not a multiple" not in caplog.text
+
+
 def test_rspo_on_a_mixture_of_experts_model_reaches_sampling(root, tmp_path):
     save_tiny_model(tmp_path / "moe", "qwen2_moe")
     with pytest.raises(AssertionError, match=r"HFEngine\.generate ran"):  # the router check lets it through
