@@ -186,6 +186,8 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
     field, path = ("model.tokenizer", tokenizer) if tokenizer is not None else ("model.policy", policy)
     if isinstance(path, str):
         check_pretrained_folder(path, field, "tokenizer")
+    if callable(rewards):
+        raise TypeError(f"model.rewards is one function ({reward_name(rewards)}); give a list of them: rewards=[fn].")
     if not rewards:
         raise ValueError("model.rewards is empty; give at least one reward function (e.g. gpo.rewards.exact_match).")
     for index, fn in enumerate(rewards):

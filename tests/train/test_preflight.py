@@ -379,6 +379,8 @@ PYTHON_CASES = [
        fix="add **kwargs to its parameters"),
     py("loaded_tokenizer_without_eos", lambda: {"policy": tiny_model(), "tokenizer": tokenizer_without_eos()},
        field="has no EOS token", fix="Add an eos_token to the tokenizer"),
+    py("rewards_not_a_list", lambda: {"rewards": needs_solution}, error=TypeError,
+       field="model.rewards is one function (needs_solution)", fix="give a list of them: rewards=[fn]"),
     py("loaded_model_without_tokenizer", lambda: {"policy": tiny_model()},
        field="GPOModule was given a loaded model without a tokenizer", fix="pass tokenizer="),
     py("two_rewards_with_one_name", lambda: {"rewards": [lambda prompts, completions, **_: [0.0] * len(completions),
