@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import PreTrainedTokenizerBase
 
@@ -265,8 +266,15 @@ class PromptDataModule(LightningDataModule):
             rank=rank, world_size=ranks,
         )  # fmt: skip
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The held-out prompts; none (no evaluation, and no warning about an empty loader) while fitting a run
+        without them. Validating without them is refused: it would evaluate nothing and say nothing."""
+        if self.val_rows:
+            return DataLoader(self.val_rows, batch_size=self.prompts_per_step, shuffle=False, collate_fn=collate)
+        if self.trainer is not None and self.trainer.state.fn == TrainerFn.VALIDATING:
+            raise ValueError("validating needs held-out prompts: set data.val_path (a file of them) or data.val_size "
+                             "(rows held out of data.path).")  # fmt: skip
+        return []
 
     def transfer_batch_to_device(self, batch: dict[str, Any], device: torch.device, dataloader_idx: int) -> dict:
         return batch  # token-id lists and strings: the engine puts the prompts where it samples (Lightning's walk

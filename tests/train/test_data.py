@@ -221,3 +221,17 @@ def test_without_a_tokenizer_anywhere_it_says_where_to_give_one(tmp_path):
         quiet_trainer(1).fit(BoringModel(), data)
     with pytest.raises(ValueError, match="PromptDataModule has no tokenizer"):
         data.setup("fit")  # no trainer at all
+
+
+def test_without_held_out_prompts_fit_evaluates_nothing_quietly_and_validate_is_refused(tiny_assets, recwarn):
+    import lightning as L
+
+    from tests.tiny import prompts, quiet_trainer, tiny_module
+
+    model, data = tiny_assets
+    module = tiny_module(model)
+    plain = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}  # Lightning's warnings on
+    L.Trainer(max_steps=1, **plain).fit(module, prompts(model, data))
+    assert not [w for w in recwarn if "Total length of `DataLoader`" in str(w.message)]  # Lightning's empty loader
+    with pytest.raises(ValueError, match=r"validating needs held-out prompts: set data\.val_path"):
+        quiet_trainer(1).validate(module, prompts(model, data))
