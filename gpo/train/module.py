@@ -148,6 +148,13 @@ class GPOModule(RolloutSource, LightningModule):
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
+    def configure_callbacks(self) -> list:
+        """No callbacks of its own: the earliest hook Lightning calls with the trainer attached, before it checks the
+        loop settings itself, so that its automatic-optimisation settings get gpo's fix (``check_trainer_loop``)
+        rather than Lightning's advice to switch to automatic optimisation."""
+        preflight.check_trainer_loop(self.trainer.gradient_clip_val, self.trainer.accumulate_grad_batches)
+        return []
+
     def setup(self, stage: str) -> None:
         preflight.check_run(self, self._trainer)
         self.collector.rank = collectives.rank()

@@ -1,6 +1,7 @@
 """GPOModule end to end on a tiny local model: the reward rises, micro-batching changes nothing, bad input fails."""
 
 import logging
+import re
 import warnings
 
 import lightning as L
@@ -315,3 +316,16 @@ def test_load_from_checkpoint_rebuilds_the_module_with_its_trained_weights(works
     loaded = GPOModule.load_from_checkpoint(tmp_path / "two.ckpt", policy=model, rewards=[positional_match], **kwargs)
     for (name, trained), again in zip(module.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(trained, again), name
+
+
+@pytest.mark.parametrize(
+    ("setting", "fix"),
+    [({"gradient_clip_val": 0.5}, "set model.optim.max_grad_norm: 0.5"),
+     ({"accumulate_grad_batches": 2}, "raise data.prompts_per_step")],
+)  # fmt: skip
+def test_lightnings_automatic_optimisation_settings_get_gpos_fix_in_python_too(workspace, setting, fix):
+    """Lightning refused them first with "switch to automatic optimization", which a GPOModule cannot."""
+    model, data = workspace
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, **setting)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        trainer.fit(tiny_module(model), prompts(model, data, 2))
