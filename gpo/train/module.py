@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -152,7 +153,8 @@ class GPOModule(RolloutSource, LightningModule):
         """No callbacks of its own: the earliest hook Lightning calls with the trainer attached, before it checks the
         loop settings itself, so that its automatic-optimisation settings get gpo's fix (``check_trainer_loop``)
         rather than Lightning's advice to switch to automatic optimisation."""
-        preflight.check_trainer_loop(self.trainer.gradient_clip_val, self.trainer.accumulate_grad_batches)
+        if self.trainer.state.fn == TrainerFn.FITTING:  # Lightning checks them only then
+            preflight.check_trainer_loop(self.trainer.gradient_clip_val, self.trainer.accumulate_grad_batches)
         return []
 
     def setup(self, stage: str) -> None:
@@ -200,9 +202,10 @@ class GPOModule(RolloutSource, LightningModule):
                                      "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is None:  # load_from_checkpoint: the weights alone; the run's state belongs to a resume
+            return
         state = checkpoint.get("gpo", {})
-        where = str(self.trainer.ckpt_path) if self._trainer is not None else "the checkpoint"  # load_from_checkpoint
-        check_same_run(state.get("run", {}), describe_run(self), where)
+        check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))

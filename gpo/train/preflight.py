@@ -388,7 +388,8 @@ def check_run(module, trainer) -> None:
                           collectives.world_size())  # fmt: skip
     updates = optim.number_of_minibatches * optim.ppo_epochs
     warn_if_no_trust_region(updates, objective.gate)
-    if trainer is not None and trainer.max_steps > 0 and trainer.max_steps % updates:
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    if fitting and trainer.is_global_zero and trainer.max_steps > 0 and trainer.max_steps % updates:
         log.warning(
             "trainer.max_steps=%d is not a multiple of the %d optimiser steps each batch takes (number_of_minibatches "
             "x ppo_epochs): the run ends after %d, and a linear or cosine schedule reaches 0 at step %d.",

@@ -312,10 +312,14 @@ def test_load_from_checkpoint_rebuilds_the_module_with_its_trained_weights(works
     trainer = quiet_trainer(2)
     trainer.fit(module, prompts(model, data, 2))
     trainer.save_checkpoint(tmp_path / "two.ckpt")
-    kwargs = {"group_size": 4, "engine": HFEngine(sampling=Sampling(max_new_tokens=4))}
-    loaded = GPOModule.load_from_checkpoint(tmp_path / "two.ckpt", policy=model, rewards=[positional_match], **kwargs)
+    kwargs = {"group_size": 4, "engine": HFEngine(sampling=Sampling(max_new_tokens=4))}  # optim left at its default
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resumed with settings changed")  # nothing is resumed
+        loaded = GPOModule.load_from_checkpoint(tmp_path / "two.ckpt", policy=model, rewards=[positional_match],
+                                                **kwargs)  # fmt: skip
     for (name, trained), again in zip(module.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(trained, again), name
+    assert loaded._restored == {}  # the run's random state and draws stay out of a later fresh fit
 
 
 @pytest.mark.parametrize(
@@ -329,3 +333,12 @@ def test_lightnings_automatic_optimisation_settings_get_gpos_fix_in_python_too(w
     trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, **setting)
     with pytest.raises(ValueError, match=re.escape(fix)):
         trainer.fit(tiny_module(model), prompts(model, data, 2))
+    trainer.validate(tiny_module(model), prompts(model, data, 2, val_size=4))  # Lightning takes them there too
+
+
+def test_the_max_steps_warning_is_for_fitting_not_validating(workspace, caplog):
+    model, data = workspace
+    module = tiny_module(model, optim=Optimization(lr=1e-3, number_of_minibatches=2))
+    with caplog.at_level("WARNING", logger="gpo.train.preflight"):
+        quiet_trainer(3).validate(module, prompts(model, data, 2, val_size=4))
+    assert "is not a multiple" not in caplog.text
