@@ -76,10 +76,14 @@ def describe(part: object) -> str:
     return f"{type(part).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
 
 
+def changed_keys(saved: dict[str, str], current: dict[str, str]) -> list[str]:
+    """The keys of ``saved`` that ``current`` holds with another value (a key one of them lacks is not compared)."""
+    return [key for key in saved if key in current and saved[key] != current[key]]
+
+
 def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: str) -> None:
     """Refuse to resume a checkpoint written under another model or algorithm, naming each difference."""
-    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in saved
-                   if key in current and saved[key] != current[key]]  # fmt: skip
+    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in changed_keys(saved, current)]
     if differences:
         raise ValueError(
             f"{checkpoint} was written by another run ({'; '.join(differences)}): resuming would continue its weights "
@@ -113,7 +117,7 @@ def warn_changed_settings(saved: dict[str, str], current: dict[str, str]) -> Non
     """Warn once, naming each setting changed since the checkpoint: the resumed run goes on with the new values
     (except those ``RESTORED_FROM_CHECKPOINT``, which the restored optimiser keeps), so it does not replay the run
     that wrote the checkpoint."""
-    changed = [key for key in saved if key in current and saved[key] != current[key]]
+    changed = changed_keys(saved, current)
     if not changed:
         return
     parts = [_change(key, saved[key], current[key]) for key in changed]
