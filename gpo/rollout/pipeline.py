@@ -126,10 +126,12 @@ class QueuedEngine(RolloutEngine):
         self.version, self.push_s = version, self.push_s + time.perf_counter() - started
 
     def check_pushes(self) -> None:
-        """Raise the error of a finished push that failed; forget the finished ones."""
+        """Raise the error of a finished push that failed; forget the finished ones (and those cancelled when the
+        sampler thread stopped: their weights were never installed, and nothing samples after them)."""
         for push in [p for p in self.pushes if p.done()]:
             self.pushes.remove(push)
-            push.result()
+            if not push.cancelled():
+                push.result()
 
     def take_push_s(self) -> float:
         seconds, self.push_s = self.push_s, 0.0
@@ -246,7 +248,8 @@ class RolloutPipeline:
         return rollout.select(fresh.nonzero()[:, 0]), int((~fresh).sum())
 
     def state(self) -> dict[str, Any]:
-        """The pending collections (waited for; they stay pending) and the policy version, for a checkpoint."""
+        """The pending collections (waited for; they stay pending) and the policy version, for a checkpoint. After
+        ``close``, the collections it let finish."""
         self.engine.check_pushes()
         pending = [future.result().state() for future in self.pending]
         return {"pending": pending, "trained_steps": self.engine.trained_steps}
@@ -263,14 +266,19 @@ class RolloutPipeline:
                 f"{len(state['pending'])} or more."
             )
         self.engine.trained_steps = state["trained_steps"]
+        self.pending.clear()  # a module fitted before holds what its last fit collected ahead
         for item in state["pending"]:
             done: Future = Future()
             done.set_result(Collected.from_state(item))
             self.pending.append(done)
 
     def close(self) -> None:
-        self.pending.clear()
+        """Stop the sampler thread (the task it runs finishes, those queued are cancelled) and the worker process,
+        and give back the threads it had. The collections finished by then stay pending: a checkpoint saved after a
+        failure (``ResumeCheckpoint`` on SIGTERM) or after the fit holds them."""
         self.thread.close()
+        while self.pending and self.pending[-1].cancelled():  # queued in order: the cancelled ones are the last
+            self.pending.pop()
         if self.worker is not None:
             self.worker.close()
         if self.threads_before is not None:

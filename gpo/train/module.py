@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from lightning import LightningModule
+from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -149,13 +149,13 @@ class GPOModule(RolloutSource, LightningModule):
 
     # ---- set-up ------------------------------------------------------------------------------------------------
 
-    def configure_callbacks(self) -> list:
-        """No callbacks of its own: the earliest hook Lightning calls with the trainer attached, before it checks the
-        loop settings itself, so that its automatic-optimisation settings get gpo's fix (``check_trainer_loop``)
+    def configure_callbacks(self) -> list[Callback]:
+        """``StopFeedOnError``. Also the earliest hook Lightning calls with the trainer attached, before it checks
+        the loop settings itself, so that its automatic-optimisation settings get gpo's fix (``check_trainer_loop``)
         rather than Lightning's advice to switch to automatic optimisation."""
         if self.trainer.state.fn == TrainerFn.FITTING:  # Lightning checks them only then
             preflight.check_trainer_loop(self.trainer.gradient_clip_val, self.trainer.accumulate_grad_batches)
-        return []
+        return [StopFeedOnError()]
 
     def setup(self, stage: str) -> None:
         preflight.check_run(self, self._trainer)
@@ -277,3 +277,13 @@ class GPOModule(RolloutSource, LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         log_evaluation(self, evaluate(self.collector, batch, batch_idx, self.evaluation), len(batch["prompt"]))
+
+
+class StopFeedOnError(Callback):
+    """Stops ``GPOModule.feed`` (a pipeline's sampler thread and worker process) when a run fails: Lightning calls
+    no ``teardown`` hook of the module then, and they would outlive the run in the Python process, keeping the torch
+    threads they were given. Lightning calls it before the checkpoint callbacks' ``on_exception``: a checkpoint they
+    save holds the rollouts collected ahead by then."""
+
+    def on_exception(self, trainer: Trainer, pl_module: GPOModule, exception: BaseException) -> None:
+        pl_module.feed.close()

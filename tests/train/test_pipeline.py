@@ -89,6 +89,38 @@ def test_reward_rises_with_the_sampler_one_step_ahead(workspace):
     assert last > first + 0.1, (first, last)
 
 
+class FailAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("a callback failed")
+
+
+def test_a_run_that_fails_stops_the_sampler_thread_and_the_worker(workspace):
+    threads = torch.get_num_threads()
+    model, data = workspace
+    module = tiny_module(model, group_size=8, max_off_policy_steps=1)
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        quiet_trainer(6, [FailAt(2)]).fit(module, prompts(model, data, 8))
+    assert module.feed.pipeline.worker.process is None  # Lightning calls no teardown hook of a failed run
+    assert module.feed.pipeline.thread.executor is None
+    assert torch.get_num_threads() == threads
+
+
+def test_a_checkpoint_saved_after_a_pipelined_fit_holds_its_rollouts_collected_ahead_and_resumes(workspace, tmp_path):
+    _, trainer = fit(workspace, 4, 1)
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # the pipeline has stopped (teardown)
+    pipeline = torch.load(tmp_path / "after.ckpt", weights_only=True)["gpo"]["pipeline"]
+    assert pipeline["trained_steps"] == 4 and [item["step"] for item in pipeline["pending"]] == [4]
+    model, data = workspace
+    resumed = quiet_trainer(6)
+    resumed.fit(tiny_module(model, group_size=8, max_off_policy_steps=1), prompts(model, data, 8),
+                ckpt_path=tmp_path / "after.ckpt")  # fmt: skip
+    assert resumed.global_step == 6
+
+
 class KillWorker(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 2:
