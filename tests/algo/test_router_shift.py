@@ -128,8 +128,9 @@ def reference_scores(
             w = torch.exp(logp[i, t].double() - float(old_logp[i, t]))
             clipped = _clip(w, math.exp(-clip_low), math.exp(clip_high))
             c = min(w, clipped) if a > 0 else max(w, clipped)  # GMPO: the pessimistic side of the clip
-            product = product * (c**sgn * gamma[i][t])  # W_t * gamma_t with W_t = c_t^sgn(A_i)
-        scores.append(product ** (sgn / len(real)) * a)  # sgn = 0 gives product^0 * 0 = 0
+            product = product * c**sgn  # W_t = c_t^sgn(A_i)
+        damping = math.prod(gamma[i][t] for t in real) ** (1 / len(real))  # geomean(gamma), whatever the sign
+        scores.append(product ** (sgn / len(real)) * damping * a)  # sgn = 0 gives product^0 * 0 = 0
     return scores
 
 
@@ -279,16 +280,30 @@ def test_router_shift_gate_hand_worked() -> None:
     )
     # A = +1: log-ratios (0.1, 0.5) -> min(., 0.2) = (0.1, 0.2), mean 0.15; geomean(gamma) = sqrt(0.72) = 0.848528
     #         score = +1 * e^0.15 * 0.848528 = 1.161834 * 0.848528 = 0.985849
-    # A = -2: log-ratios (-0.5, 0.1) -> max(., -0.3) = (-0.3, 0.1), mean -0.1; sgn = -1 -> geomean(gamma)^-1
-    #         score = -2 * e^-0.1 / 0.848528 = -2 * 0.904837 * 1.178511 = -2.132722
+    # A = -2: log-ratios (-0.5, 0.1) -> max(., -0.3) = (-0.3, 0.1), mean -0.1; damped by geomean(gamma) too
+    #         score = -2 * e^-0.1 * 0.848528 = -2 * 0.904837 * 0.848528 = -1.535560
     score_pos = math.exp(0.15) * math.sqrt(0.72)
-    score_neg = -2 * math.exp(-0.1) / math.sqrt(0.72)
-    assert score_pos == pytest.approx(0.985849, abs=1e-6) and score_neg == pytest.approx(-2.132722, abs=1e-6)
+    score_neg = -2 * math.exp(-0.1) * math.sqrt(0.72)
+    assert score_pos == pytest.approx(0.985849, abs=1e-6) and score_neg == pytest.approx(-1.535560, abs=1e-6)
     torch.testing.assert_close(per_token, torch.tensor([[-score_pos] * 2, [-score_neg] * 2]))
-    # SequenceMean: -(0.985849 - 2.132722) / 2 = 0.573437
-    assert loss.item() == pytest.approx(0.573437, abs=1e-5)
+    # SequenceMean: -(0.985849 - 1.535560) / 2 = 0.274855
+    assert loss.item() == pytest.approx(0.274855, abs=1e-5)
     assert metrics["router_shift/min"].item() == pytest.approx(0.8, rel=1e-5)
     assert metrics["router_shift/max"].item() == pytest.approx(0.9, rel=1e-5)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_routing_drift_damps_the_update_whatever_the_advantages_sign(advantage) -> None:
+    """Seed 003: "the more the router changed for token t, the less RSPO lets that token push the policy update"."""
+    old_r = torch.tensor([0.6, 0.4]).log().expand(1, 1, 3, 2)
+    drifted = torch.tensor([0.48, 0.52]).log().expand(1, 1, 3, 2)  # gamma = 0.8 at every token
+    logp, adv, mask = torch.tensor([[0.05, -0.05, 0.02]]), torch.full((1, 3), advantage), torch.ones(1, 3)
+    gate = RouterShiftGate(top_k=1, gamma_min=0.5)
+    _, _, grad_same, _ = _gate_loss_and_grad(gate, logp, torch.zeros(1, 3), adv, mask, router_logp=old_r,
+                                             old_router_logp=old_r)  # fmt: skip
+    _, _, grad_drifted, _ = _gate_loss_and_grad(gate, logp, torch.zeros(1, 3), adv, mask, router_logp=drifted,
+                                                old_router_logp=old_r)  # fmt: skip
+    torch.testing.assert_close(grad_drifted, 0.8 * grad_same)
 
 
 CLIP_LOW, CLIP_HIGH = 0.3, 0.2  # asymmetric, so swapping the two bounds is caught

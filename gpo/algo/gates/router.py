@@ -40,18 +40,24 @@ def router_shift_weight(router_logp: Tensor, old_router_logp: Tensor, top_k: int
 class RouterShiftGate(GeometricMeanGate):
     """RSPO (Zhang et al. 2025, "Towards Stable and Effective RL for Mixture-of-Experts"), as in seed 003.
 
-    ``score_i = [prod_t (W_t * gamma_t)]^(sgn(A_i) / |o_i|) * A_i`` with GMPO's token clipping
+    ``score_i = [prod_t W_t]^(s / |o_i|) * [prod_t gamma_t]^(1 / |o_i|) * A_i`` with GMPO's token clipping
     ``W_t = min(w_t^s, clip(w_t, e^-clip_low, e^clip_high)^s)``, ``s = sgn(A_i)``, and the router-shift ratio
     ``gamma_t`` from ``router_shift_weight`` (floored at ``gamma_min``, stop-gradient), applied after clipping. In
-    log space: ``log(score_i / A_i) = mean_t l_t + s mean_t log gamma_t`` with ``l_t = min(log w_t, clip_high)`` if
-    ``A_i > 0`` else ``max(log w_t, -clip_low)``. Note what the sign exponent implies: for ``A_i > 0`` the sequence
-    is damped by ``geomean(gamma) <= 1``; for ``A_i < 0`` the formula scales it by ``geomean(gamma)^-1``.
+    log space: ``log(score_i / A_i) = mean_t l_t + mean_t log gamma_t`` with ``l_t = min(log w_t, clip_high)`` if
+    ``A_i > 0`` else ``max(log w_t, -clip_low)``: every sequence is damped by ``geomean(gamma) <= 1``.
 
-    Departure from the seed's text: it writes ``clip(w_t^s, eps_1, eps_2)``, clipping the ratio after the sign
-    power; then ``eps_1`` never binds (``min(x, clip(x, a, b)) = min(x, b)``) and ``eps_2`` bounds both sides, so
-    a negative-advantage token's ratio would be floored at ``1/eps_2``. We clip ``w_t`` itself, as GMPO does (the
-    seed's GMPO section, and RSPO keeps GMPO's token clipping): ``clip_low`` bounds how far a ratio may fall
-    (negative advantages), ``clip_high`` how far it may rise (positive ones).
+    Two departures from the seed's formula, ``[prod_t (W_t * gamma_t)]^(s / |o_i|)``:
+
+    * ``gamma`` takes no sign exponent. Under it a negative-advantage sequence would be scaled by
+      ``geomean(gamma)^-1 >= 1``, pushed harder the more its routing drifted, while the same seed says three times
+      what ``gamma`` is for: it "down-weights tokens whose routing changed too much", is "a routing-drift penalty:
+      the more the router changed for token t, the less RSPO lets that token push the policy update", and acts
+      "only as a sample weight". We follow that: the weight damps both signs.
+    * The seed writes ``clip(w_t^s, eps_1, eps_2)``, clipping the ratio after the sign power; then ``eps_1`` never
+      binds (``min(x, clip(x, a, b)) = min(x, b)``) and ``eps_2`` bounds both sides, so a negative-advantage
+      token's ratio would be floored at ``1/eps_2``. We clip ``w_t`` itself, as GMPO does (the seed's GMPO section,
+      and RSPO keeps GMPO's token clipping): ``clip_low`` bounds how far a ratio may fall (negative advantages),
+      ``clip_high`` how far it may rise (positive ones).
 
     Inputs beyond the log-probs: ``router_logp`` and ``old_router_logp``, ``[L, B, T, E]`` log routing
     probabilities at the completion's positions (see ``router_logprobs``).
@@ -84,8 +90,7 @@ class RouterShiftGate(GeometricMeanGate):
         seq_adv = sequence_mean(adv, mask)  # [B]
         clipped = self.clipped_log_ratio(log_ratio, seq_adv)  # [B, T]
         gamma = router_shift_weight(router_logp, old_router_logp, self.top_k, self.gamma_min)  # [B, T]
-        sign = torch.where(seq_adv < 0, -1.0, 1.0)
-        log_score = sequence_mean(clipped, mask) + sign * sequence_mean(gamma.log(), mask)  # [B]
+        log_score = sequence_mean(clipped, mask) + sequence_mean(gamma.log(), mask)  # [B]
         score = seq_adv * log_score.exp()
         metrics = self.clip_metrics(log_ratio, seq_adv, mask)
         metrics.update({f"router_shift/{key}": value for key, value in masked_stats(gamma, mask).items()})
