@@ -23,6 +23,7 @@ from gpo.seeds import run_seed, stream_generator, stream_seed
 from gpo.suggest import closest_file
 from gpo.tasks import GeneratedTask
 from gpo.train.hooks import RolloutSource
+from gpo.train.run_state import warn_changed_settings
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,23 @@ class PromptDataModule(LightningDataModule):
                              "(rows held out of data.path).")  # fmt: skip
         return []
 
+    def settings(self) -> dict[str, str]:
+        """The settings that decide which prompts a run trains on and in what order, by their configuration keys."""
+        values = {"path": self.path, "val_path": self.val_path, "val_size": self.val_size,
+                  "prompt_column": self.prompt_column, "prompts_per_step": self.prompts_per_step,
+                  "max_prompt_length": self.max_prompt_length, "long_prompts": self.long_prompts,
+                  "chat_template": self.chat_template, "seed": self.seed}  # fmt: skip
+        return {f"data.{key}": repr(value) for key, value in values.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data settings, for a resume to compare (``load_state_dict``); the place in the epoch is the
+        loader's (``PromptLoader.state_dict``)."""
+        return {"settings": self.settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Warn, naming each, about data settings changed since the checkpoint."""
+        warn_changed_settings(state.get("settings", {}), self.settings())
+
     def transfer_batch_to_device(self, batch: dict[str, Any], device: torch.device, dataloader_idx: int) -> dict:
         return batch  # token-id lists and strings: the engine puts the prompts where it samples (Lightning's walk
         # through every string of the batch cost about 0.3 ms a step)
@@ -348,10 +366,16 @@ class PromptLoader(DataLoader):
         self.batches_trained = batches_trained
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.order.epoch, "batches_done": int(self.batches_trained())}
+        """The epoch, and how many of its prompts the trained batches took over all processes."""
+        batches = int(self.batches_trained())
+        return {"epoch": self.order.epoch, "batches_done": batches,
+                "prompts_done": batches * self.batch_size * self.order.num_replicas}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.order.resume(state["epoch"], state["batches_done"] * self.batch_size)
+        """Go on after the prompts done, whatever the batch size or the number of processes now."""
+        ranks = self.order.num_replicas
+        prompts_done = state.get("prompts_done", state["batches_done"] * self.batch_size * ranks)  # older checkpoints
+        self.order.resume(state["epoch"], prompts_done // ranks)
 
 
 class PromptDraws:

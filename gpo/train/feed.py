@@ -60,6 +60,11 @@ class RolloutFeed:
         """Whether rollouts are sampled in a worker process from its own copy of the policy (``ProcessEngine``)."""
         return False
 
+    @property
+    def lag(self) -> int:
+        """Training steps a rollout may be collected ahead of the step that trains it (``max_off_policy_steps``)."""
+        return 0
+
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         """After the step's updates: hand ``model``'s new weights on where the sampler needs them; the step's feed
         metrics."""
@@ -120,6 +125,10 @@ class PipelinedFeed(RolloutFeed):
     @property
     def sampler_process(self) -> bool:
         return self.pipeline.worker is not None
+
+    @property
+    def lag(self) -> int:
+        return self.pipeline.lag
 
     def trained(self, model: PreTrainedModel, rollout: Rollout, dropped: int, device: torch.device) -> Metrics:
         metrics = self.pipeline.metrics(rollout, dropped, device)

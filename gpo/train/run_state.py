@@ -69,11 +69,18 @@ def restored_run_state(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return (ranks[collectives.rank()] if len(ranks) == size else ranks[0]), state.get("nonfinite_streak", 0)
 
 
+PLAIN = (str, int, float, bool, type(None))
+
+
 def describe(part: object) -> str:
-    """``Name(setting=value, ...)`` of an algorithm part, from its plain-valued attributes (for run descriptions)."""
-    plain = (str, int, float, bool, type(None))
-    settings = {k: v for k, v in sorted(vars(part).items()) if not k.startswith("_") and isinstance(v, plain)}
+    """``Name(setting=value, ...)`` of an algorithm part, from its attributes that are plain values or lists of them
+    (for run descriptions; a part held inside it, such as an adaptive controller with its state, is left out)."""
+    settings = {k: v for k, v in sorted(vars(part).items()) if not k.startswith("_") and is_plain(v)}
     return f"{type(part).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+
+
+def is_plain(value: object) -> bool:
+    return isinstance(value, PLAIN) or (isinstance(value, list | tuple) and all(isinstance(v, PLAIN) for v in value))
 
 
 def changed_keys(saved: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -99,18 +106,36 @@ REPLAY_NEUTRAL = frozenset({"micro_batch_size", "max_consecutive_nonfinite"})
 
 
 def describe_settings(module) -> dict[str, str]:
-    """The settings of a ``GPOModule``'s run a resume may change without becoming another run (``describe_run``):
-    optimisation, the engine's sampling (a multi-turn engine's per episode: turns x each turn's), the KL and entropy
-    terms' plain settings, the rollout seed; by their configuration keys where they have one."""
-    objective = module.learner.objective
-    optim = {k: v for k, v in dataclasses.asdict(module.learner.optim).items() if k not in REPLAY_NEUTRAL}
+    """The settings of a ``GPOModule``'s run a resume may change without becoming another run (``describe_run``),
+    by their configuration keys where they have one: optimisation, the engine's sampling (a multi-turn engine's per
+    episode: turns x each turn's), the reward mixer, the KL, entropy and distillation terms, token weights and
+    masks, step rewards, the rollout correction, where old log-probs come from, the pipeline's lag, the rollout
+    seed."""
+    learner, objective = module.learner, module.learner.objective
+    optim = {k: v for k, v in dataclasses.asdict(learner.optim).items() if k not in REPLAY_NEUTRAL}
     return {
         **{f"model.optim.{k}": repr(v) for k, v in optim.items()},
         "the engine's sampling": repr(module.collector.engine.sampling),
-        "model.kl": describe(objective.kl) if objective.kl is not None else "None",
-        "model.entropy": describe(objective.entropy) if objective.entropy is not None else "None",
+        "model.mixer": describe(module.collector.mixer),
+        "model.kl": describe_optional(objective.kl if objective.kl is not None else learner.reward_kl),
+        "model.entropy": describe_optional(objective.entropy),
+        "model.distill": describe_optional(objective.distill),
+        "model.token_weights": describe_all([*objective.dropping, *objective.scaling]),
+        "model.masks": describe_all([*objective.step_masks, *objective.update_masks]),
+        "model.step_rewards": describe_optional(module.credit.step_rewards),
+        "model.correction": describe_optional(learner.correction),
+        "model.old_logprobs": learner.old_logprobs,
+        "model.max_off_policy_steps": str(module.feed.lag),
         "the rollout seed (model.seed, else seed_everything)": repr(module.collector.seed),
     }
+
+
+def describe_optional(part: object | None) -> str:
+    return "None" if part is None else describe(part)
+
+
+def describe_all(parts: list[object]) -> str:
+    return "[" + ", ".join(map(describe, parts)) + "]"
 
 
 def warn_changed_settings(saved: dict[str, str], current: dict[str, str]) -> None:

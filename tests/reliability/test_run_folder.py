@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 
 from gpo.callbacks import ResumeCheckpoint
@@ -83,7 +84,7 @@ def test_resuming_under_another_algorithm_is_refused_naming_the_difference(tiny_
 def test_a_resume_with_changed_settings_warns_naming_each_and_what_the_checkpoint_keeps(tiny_assets, tmp_path):
     import warnings
 
-    from gpo.algo import KLPenalty
+    from gpo.algo import KLPenalty, RolloutCorrection, WeightedSum
     from gpo.train.optimization import Optimization
 
     folder = tmp_path / "ckpt"
@@ -98,6 +99,15 @@ def test_a_resume_with_changed_settings_warns_naming_each_and_what_the_checkpoin
     assert "model.optim.lr 0.001 -> 0.005 (not applied" in message
     assert "model.kl None -> KLPenalty(beta=0.1" in message and "micro_batch_size" not in message
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3)  # what the warning says
+    with pytest.warns(UserWarning, match=r"resumed with settings changed since the checkpoint") as caught:
+        changed = {"mixer": WeightedSum(weights=[2.0]), "old_logprobs": "trainer",
+                   "correction": RolloutCorrection(mode="mis")}  # fmt: skip
+        fit(tiny_assets, folder, steps=5, ckpt_path="last", optim=Optimization(lr=1e-3), kl=KLPenalty(beta=0.1),
+            **changed)  # fmt: skip
+    message = next(str(w.message) for w in caught if "settings changed" in str(w.message))
+    assert "model.mixer WeightedSum(weights=None) -> WeightedSum(weights=[2.0])" in message
+    assert "model.correction None -> RolloutCorrection(cap=2.0, level='token', mode='mis')" in message
+    assert "model.old_logprobs rollout -> trainer" in message and "model.kl" not in message
 
 
 def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_and_exits_143(tiny_assets, tmp_path):
@@ -121,3 +131,29 @@ def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_and_exits_14
         trainer.fit(module, prompts(model, data, val_size=16))  # 16 held-out prompts: several batches
     assert stopped.value.code == 143
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 3  # the evaluation after step 3
+
+
+class PromptsSeen(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.extend(batch["prompt"])
+
+
+def test_a_resume_with_another_batch_size_warns_and_goes_on_after_the_prompts_trained(tiny_assets, tmp_path):
+    model, data = tiny_assets
+    folder = tmp_path / "ckpt"
+
+    def fit_seen(steps, prompts_per_step, *callbacks, ckpt_path=None) -> list[str]:
+        seen = PromptsSeen()
+        quiet_trainer(steps, [seen, *callbacks], enable_checkpointing=bool(callbacks)).fit(
+            tiny_module(model), prompts(model, data, prompts_per_step), ckpt_path=ckpt_path
+        )
+        return seen.seen
+
+    whole = fit_seen(4, 4)
+    first = fit_seen(2, 4, ResumeCheckpoint(dirpath=folder))
+    with pytest.warns(UserWarning, match=r"settings changed since the checkpoint: data\.prompts_per_step 4 -> 8\."):
+        resumed = fit_seen(3, 8, ResumeCheckpoint(dirpath=folder), ckpt_path="last")
+    assert first + resumed == whole  # the prompts after those trained, none skipped or repeated
