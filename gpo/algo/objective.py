@@ -116,7 +116,8 @@ class PolicyObjective:
             if teacher_logp is None:
                 raise ValueError("distill needs teacher_logp (the teacher's log-probs of the sampled tokens).")
             adv, metrics = self.distill(adv, logp, mask, teacher_logp=teacher_logp)
-        given = {**inputs, "logp": logp.detach(), "old_logp": old_logp, "adv": adv, "entropy": entropy}
+        given = {**inputs, "logp": logp.detach(), "old_logp": old_logp, "adv": adv, "entropy": entropy,
+                 "ref_logp": ref_logp, "teacher_logp": teacher_logp}  # fmt: skip
         kept = mask
         for token_mask in self.update_masks:
             keep, mask_metrics = token_mask(kept, **_pick(token_mask, given))

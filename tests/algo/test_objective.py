@@ -49,6 +49,25 @@ def test_requires_is_the_union_of_what_the_parts_read_beyond_the_pass():
     assert PolicyObjective(NoGate(), TokenMean(), token_weights=[ReferenceProbWeight()]).requires == {"ref_logp"}
 
 
+class ReadsReferenceAndTeacher(NoGate):
+    """A gate of a user's that reads the reference's and the teacher's log-probs (the trainer computes both)."""
+
+    requires = frozenset({"ref_logp", "teacher_logp"})
+
+    def __call__(self, logp, old_logp, adv, mask, *, ref_logp, teacher_logp):
+        self.seen = (ref_logp, teacher_logp)
+        return super().__call__(logp, old_logp, adv, mask)
+
+
+def test_a_gate_requiring_the_reference_and_teacher_log_probs_is_given_them():
+    gate, logp = ReadsReferenceAndTeacher(), torch.zeros(2, 3, requires_grad=True)
+    objective = PolicyObjective(gate, TokenMean())
+    assert objective.requires == {"ref_logp", "teacher_logp"}
+    ref, teacher = torch.full((2, 3), -1.0), torch.full((2, 3), -2.0)
+    objective(logp, logp.detach(), torch.ones(2, 3), torch.ones(2, 3), ref_logp=ref, teacher_logp=teacher)
+    assert gate.seen[0] is ref and gate.seen[1] is teacher
+
+
 # Two completions, three positions. NoGate (loss -A log pi) makes the reference easy to write by hand.
 #   row 0: A = -1, log(pi / pi_old) = (-0.6, -0.6, -0.6): mean log(pi_old / pi) = 0.6 > 0.5 -> masked per update
 #   row 1: A = +2, two tokens, log-ratios (0.1, -0.1)
