@@ -43,9 +43,9 @@ def test_clip_low_bounds_the_fall_and_clip_high_the_rise(clip_low, clip_high, cl
     loss, metrics = gate(logp, old_logp, adv, mask, router_logp=router_logp, old_router_logp=old_router_logp)
 
     # gamma = [[0.75, 1], [1, 0.75]]: mean log gamma = log(0.75) / 2 in both sequences, i.e. geomean(gamma) = sqrt(0.75)
-    # score_i = A_i * exp(clipped mean) * geomean(gamma)^sgn(A_i); each token's loss is -score_i
+    # score_i = A_i * exp(clipped mean) * geomean(gamma), for either sign; each token's loss is -score_i
     score_0 = 1.5 * math.exp(clipped_mean[0]) * math.sqrt(0.75)
-    score_1 = -2.0 * math.exp(clipped_mean[1]) / math.sqrt(0.75)
+    score_1 = -2.0 * math.exp(clipped_mean[1]) * math.sqrt(0.75)
     expected = torch.tensor([[-score_0, -score_0], [-score_1, -score_1]], dtype=torch.float64)
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
 

@@ -1,10 +1,11 @@
 """RSPO's router-shift pieces (``gpo.algo.gates.router``) against a real tiny Qwen2-MoE built locally.
 
 References are float64 and written with explicit Python loops over layers, positions, experts and sequences,
-straight from the seed-003 formula, so they share no vectorisation with the implementation:
+straight from the seed-003 formula (with gamma a damping weight for either sign, as ``RouterShiftGate`` explains),
+so they share no vectorisation with the implementation:
 
     gamma_{i,t} = max(gamma_min, exp(-(1/L) sum_l (1/K) sum_k |log r_l(e_lk) - log r_old_l(e_lk)|))
-    score_i     = [prod_t (W_t * gamma_t)]^(sgn(A_i) / |o_i|) * A_i,    W_t = c_t^sgn(A_i)
+    score_i     = [prod_t W_t]^(sgn(A_i) / |o_i|) * [prod_t gamma_t]^(1 / |o_i|) * A_i,    W_t = c_t^sgn(A_i)
 
 with ``c_t`` GMPO's clipped ratio: ``min(w_t, clip(w_t))`` for ``A > 0`` and ``max(w_t, clip(w_t))`` for
 ``A < 0``, ``clip(w) = clip(w, e^-clip_low, e^clip_high)`` (so clip_low bounds falls, clip_high bounds rises).
