@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from gpo.algo.masked import group_index, group_mean_std, group_sum, safe_divide
+from gpo.algo.state import PartState
 
 Scale = Literal["group", "batch", "none"]
 StdConvention = Literal["population", "sample"]
@@ -35,7 +36,7 @@ def _batch_std(x: Tensor, unbiased: bool) -> Tensor:
     return x.std(unbiased=unbiased) if x.numel() > 1 else x.new_zeros(())
 
 
-class AdvantageEstimator(ABC):
+class AdvantageEstimator(PartState, ABC):
     """Maps rewards of grouped completions to per-token advantages."""
 
     @abstractmethod

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gpo.algo.masked import masked_sum
+from gpo.algo.state import PartState
 
 
 def _non_empty(mask: Tensor) -> Tensor:
@@ -25,7 +26,7 @@ def _non_empty(mask: Tensor) -> Tensor:
     return mask.bool().any(-1)
 
 
-class LossAggregator(ABC):
+class LossAggregator(PartState, ABC):
     """``(per_token_loss[B, T], mask[B, T], normaliser) -> scalar``."""
 
     @abstractmethod

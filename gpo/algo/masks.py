@@ -10,12 +10,13 @@ from torch import Tensor
 
 from gpo.algo.gates.base import Metrics, fraction
 from gpo.algo.masked import masked_mean, sequence_mean
+from gpo.algo.state import PartState
 
 #: Inputs a mask may read that exist only in a gradient pass: reading one makes it a per-update mask.
 PASS_INPUTS = frozenset({"logp", "old_logp", "entropy"})
 
 
-class TokenMask(ABC):
+class TokenMask(PartState, ABC):
     """Keeps or drops tokens: ``keep[B, T]`` (bool, no gradient, False outside the mask given).
 
     A mask reads, by keyword, the ``[B, T]`` inputs it names in ``requires``:

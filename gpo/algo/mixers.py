@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from gpo.algo.masked import group_mean_std, safe_divide
+from gpo.algo.state import PartState
 
 
 def _weights(weights: Sequence[float] | None, n: int, name: str) -> Tensor:
@@ -19,7 +20,7 @@ def _weights(weights: Sequence[float] | None, n: int, name: str) -> Tensor:
     return torch.as_tensor(list(weights), dtype=torch.float32)
 
 
-class RewardMixer(ABC):
+class RewardMixer(PartState, ABC):
     """``(scores[B, K], group[B]) -> reward[B]`` for ``K`` reward functions.
 
     ``weights``: one weight per reward function, in order, for mixers that weigh them (None: all 1, or unweighted).
@@ -89,6 +90,7 @@ class EnvEventOutcomeBlend(WeightedSum):
 
     def __init__(self, *, env: float = 1.0, event: float = 0.0, outcome: float = 0.0) -> None:
         super().__init__(weights=[env, event, outcome])
+        self.env, self.event, self.outcome = env, event, outcome
 
     def __call__(self, scores: Tensor, group: Tensor) -> Tensor:
         if scores.shape[-1] != 3:

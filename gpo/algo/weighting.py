@@ -8,8 +8,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from gpo.algo.state import PartState
 
-class TokenWeight(ABC):
+
+class TokenWeight(PartState, ABC):
     """A factor on each token's advantage, computed once per step.
 
     A factor ``w[B, T]`` on each token's advantage, computed once per step from what the step knows (no

@@ -38,6 +38,8 @@ from gpo.train.run_state import (
     check_same_run,
     describe_run,
     describe_settings,
+    load_part_states,
+    part_states,
     restore_random_state,
     restored_run_state,
     run_state,
@@ -199,7 +201,8 @@ class GPOModule(RolloutSource, LightningModule):
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
         state = run_state(drawn, self.learner.nonfinite.streak, self.feed.state())  # waits for what is in flight
         checkpoint["gpo"] = state | {"run": describe_run(self), "settings": describe_settings(self),
-                                     "objective": self.learner.objective.state_dict()}  # fmt: skip
+                                     "objective": self.learner.objective.state_dict(),
+                                     "parts": part_states(self)}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is None:  # load_from_checkpoint: the weights alone; the run's state belongs to a resume
@@ -209,6 +212,7 @@ class GPOModule(RolloutSource, LightningModule):
         warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))
+        load_part_states(self, state.get("parts", {}))
         self.feed.load_state(self._restored.get("pipeline"))
 
     def on_train_start(self) -> None:

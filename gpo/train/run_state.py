@@ -4,6 +4,7 @@ the extra prompt batches drawn, the non-finite streak; per rank, as checkpoint-s
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import random
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from gpo.algo.state import PartState
 from gpo.parallel import collectives
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,11 @@ PLAIN = (str, int, float, bool, type(None))
 
 
 def describe(part: object) -> str:
-    """``Name(setting=value, ...)`` of an algorithm part, from its attributes that are plain values or lists of them
-    (for run descriptions; a part held inside it, such as an adaptive controller with its state, is left out)."""
-    settings = {k: v for k, v in sorted(vars(part).items()) if not k.startswith("_") and is_plain(v)}
+    """``Name(setting=value, ...)`` of an algorithm part, for run descriptions: its constructor's arguments that it
+    keeps under their own names, where they are plain values or lists of them (a part held inside it, such as an
+    adaptive controller, is left out, and so is what a part learns as it runs: see ``gpo.algo.state``)."""
+    arguments = inspect.signature(type(part)).parameters
+    settings = {k: v for k, v in sorted(vars(part).items()) if k in arguments and is_plain(v)}
     return f"{type(part).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
 
 
@@ -174,3 +178,28 @@ def describe_run(module) -> dict[str, str]:
         "rewards": ", ".join(map(reward_name, module.collector.rewards)),
         "group_size": str(module.collector.group_size),
     }
+
+
+def stateful_parts(module) -> dict[str, PartState]:
+    """A ``GPOModule``'s algorithm parts, by name, whose state a checkpoint keeps (``gpo.algo.state``)."""
+    objective = module.learner.objective
+    masks = [*objective.step_masks, *objective.update_masks]
+    weights = [*objective.dropping, *objective.scaling]
+    return {"advantage": module.credit.advantage, "gate": objective.gate, "aggregator": objective.aggregator,
+            "mixer": module.collector.mixer, **{f"masks/{i}": mask for i, mask in enumerate(masks)},
+            **{f"token_weights/{i}": weight for i, weight in enumerate(weights)}}  # fmt: skip
+
+
+def part_states(module) -> dict[str, dict[str, Any]]:
+    """The state of each part of ``module`` that keeps one."""
+    states = {name: part.state_dict() for name, part in stateful_parts(module).items()}
+    return {name: state for name, state in states.items() if state}
+
+
+def load_part_states(module, states: dict[str, dict[str, Any]]) -> None:
+    """Give each part of ``module`` its state from ``part_states`` (a part the configuration no longer has, which
+    the resume has warned about, is skipped)."""
+    parts = stateful_parts(module)
+    for name, state in states.items():
+        if name in parts:
+            parts[name].load_state_dict(state)

@@ -9,7 +9,9 @@ import sys
 
 import lightning as L
 import pytest
+import torch
 
+from gpo.algo import AdvantageEstimator, Custom
 from gpo.callbacks import ResumeCheckpoint
 from gpo.train.checkpointing import RunLock
 from tests.tiny import prompts, quiet_trainer, tiny_module
@@ -157,3 +159,40 @@ def test_a_resume_with_another_batch_size_warns_and_goes_on_after_the_prompts_tr
     with pytest.warns(UserWarning, match=r"settings changed since the checkpoint: data\.prompts_per_step 4 -> 8\."):
         resumed = fit_seen(3, 8, ResumeCheckpoint(dirpath=folder), ckpt_path="last")
     assert first + resumed == whole  # the prompts after those trained, none skipped or repeated
+
+
+class RunningBaseline(AdvantageEstimator):
+    """A part with state: the reward minus a running mean of the earlier steps' rewards."""
+
+    def __init__(self, *, decay: float = 0.5) -> None:
+        self.decay, self.baseline = decay, 0.0
+
+    def __call__(self, reward, group, mask):
+        adv = (reward - self.baseline)[:, None] * mask
+        self.baseline = self.decay * self.baseline + (1 - self.decay) * float(reward.mean())
+        return adv
+
+    def state_dict(self):
+        return {"baseline": self.baseline}
+
+    def load_state_dict(self, state):
+        self.baseline = state["baseline"]
+
+
+def test_a_part_with_state_resumes_from_it_and_its_state_is_not_taken_for_a_setting(tiny_assets, tmp_path):
+    model, data = tiny_assets
+
+    def fit_with_baseline(steps, folder, ckpt_path=None):
+        L.seed_everything(0)
+        module = tiny_module(model, algorithm=Custom(advantage=RunningBaseline()))
+        quiet_trainer(steps, [ResumeCheckpoint(dirpath=folder)], enable_checkpointing=True).fit(
+            module, prompts(model, data), ckpt_path=ckpt_path
+        )
+        return module
+
+    whole = fit_with_baseline(4, tmp_path / "whole")
+    fit_with_baseline(2, tmp_path / "cut")
+    resumed = fit_with_baseline(4, tmp_path / "cut", ckpt_path="last")  # not refused as "another run"
+    assert resumed.credit.advantage.baseline == whole.credit.advantage.baseline != 0.0
+    for (name, a), b in zip(whole.policy.named_parameters(), resumed.policy.parameters(), strict=True):
+        assert torch.equal(a, b), name

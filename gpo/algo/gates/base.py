@@ -9,11 +9,12 @@ import torch
 from torch import Tensor
 
 from gpo.algo.masked import masked_mean, masked_stats
+from gpo.algo.state import PartState
 
 Metrics = dict[str, Tensor]
 
 
-class RatioGate(ABC):
+class RatioGate(PartState, ABC):
     """How much to trust the importance ratio ``pi / pi_old`` at each token.
 
     A gate turns ``logp[B, T]`` (current policy, with grad), ``old_logp[B, T]`` (the policy that sampled,
