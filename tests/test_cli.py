@@ -102,6 +102,26 @@ def test_a_reward_in_the_working_directory_is_found_by_its_module_name(root, tmp
     assert "reward/starts_with_digit" in (tmp_path / "run/lightning_logs/version_0/metrics.csv").read_text()
 
 
+def test_a_slip_in_a_part_of_ones_own_names_where_it_was_raised(root, tmp_path, monkeypatch, capsys):
+    from gpo.cli import run
+
+    (tmp_path / "buggy_parts.py").write_text(
+        "from gpo.algo import AdvantageEstimator\n\n\n"
+        "class Buggy(AdvantageEstimator):\n"
+        "    def __call__(self, reward, group, mask):\n"
+        "        return (reward - float(reward))[:, None] * mask  # float() of many values\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    args = ["fit", f"--config={QUICKSTART}", f"--model.policy={root / 'model'}", f"--data.path={root / 'train.jsonl'}"]
+    args += ["--model.algorithm=Custom", "--model.algorithm.advantage=buggy_parts.Buggy", "--data.val_path=null"]
+    args += ["--trainer.max_steps=1", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit):
+        run(args)
+    err = capsys.readouterr().err
+    assert "(raised at buggy_parts.py:6 in Buggy.__call__)" in err and "Traceback" not in err, err
+
+
 def test_model_tokenizer_also_tokenises_the_prompts(root, tmp_path):
     from transformers import AutoTokenizer
 

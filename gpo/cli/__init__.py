@@ -12,7 +12,7 @@ from jsonargparse import ArgumentError
 
 from gpo import lazy_exports
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
-from gpo.cli.errors import explain, setup_steps, with_owner
+from gpo.cli.errors import explain, raised_in_user_code, setup_steps, with_owner
 from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
 from gpo.suggest import did_you_mean
@@ -102,6 +102,8 @@ def run(argv: list[str] | None = None) -> None:
         command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         files = config_files(args)
         text = with_owner(explain(str(error), files, known_groups()), error)
+        where = raised_in_user_code(error)
+        text = f"{text} (raised at {where})" if where is not None else text
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?
             text = "\n".join([text, *setup_steps(files)])
         lists = "the settings" if command != "gpo" else "the commands"  # no command, or an unknown one

@@ -11,6 +11,7 @@ import ast
 import importlib
 import inspect
 import itertools
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -318,7 +319,9 @@ def _class_hints(message: str) -> list[str]:
         return [f"{path.group(1)} is not a class."]
     if inspect.isabstract(cls):
         return [f"{cls.__name__} is abstract: it does not implement {', '.join(sorted(cls.__abstractmethods__))}."]
-    kinds = [base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("gpo.")]
+    from gpo.algo.state import PartState  # every part's base, not a kind: imported on this error's path only
+
+    kinds = [base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("gpo.") and base is not PartState]
     return [f"{cls.__name__} is a gpo {kinds[-1]}, which this setting does not take."] if kinds else []
 
 
@@ -417,7 +420,30 @@ def is_configured_part(cls: type) -> bool:
     if cls.__module__ == "gpo" or cls.__module__.startswith("gpo."):
         return True
     source = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return source is not None and Path(source).resolve().is_relative_to(Path.cwd())
+    return source is not None and is_users_file(source)
+
+
+def raised_in_user_code(error: BaseException) -> str | None:
+    """Where the first error of ``error``'s chain was raised in the user's own code (``is_users_file``), as
+    ``parts.py:9 in Mine.__call__``: the deepest such frame, so a slip in a part or reward of one's own is found
+    without a traceback. None when no frame of it is the user's."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    where, trace = None, error.__traceback__
+    while trace is not None:
+        code = trace.tb_frame.f_code
+        if is_users_file(code.co_filename):
+            where = f"{os.path.relpath(code.co_filename)}:{trace.tb_lineno} in {code.co_qualname}"
+        trace = trace.tb_next
+    return where
+
+
+def is_users_file(filename: str) -> bool:
+    """A Python file under the working directory that is neither gpo's nor an installed package's (a compiled
+    module's frames name a bare ``.pyx`` file, which is not)."""
+    path, gpo_package = Path(filename).resolve(), Path(__file__).resolve().parents[1]
+    installed = "site-packages" in path.parts or path.is_relative_to(gpo_package)
+    return path.suffix == ".py" and path.is_file() and path.is_relative_to(Path.cwd()) and not installed
 
 
 def with_owner(text: str, error: BaseException) -> str:
