@@ -20,6 +20,12 @@ def _weights(weights: Sequence[float] | None, n: int, name: str) -> Tensor:
     return torch.as_tensor(list(weights), dtype=torch.float32)
 
 
+def weighted_sum(scores: Tensor, weights: Sequence[float] | None) -> Tensor:
+    """``sum_k w_k s_{i,k}`` of ``scores[B, K]`` (``weights`` None: all 1), in float32: the reward a run reports
+    (``reward/mean``, ``val/reward_*``), whatever the mixer makes of the scores for training."""
+    return scores.to(torch.float32) @ _weights(weights, scores.shape[-1], "weights").to(scores.device)
+
+
 class RewardMixer(PartState, ABC):
     """``(scores[B, K], group[B]) -> reward[B]`` for ``K`` reward functions.
 
@@ -44,8 +50,7 @@ class WeightedSum(RewardMixer):
         self.weights = None if weights is None else list(weights)
 
     def __call__(self, scores: Tensor, group: Tensor) -> Tensor:
-        w = _weights(self.weights, scores.shape[-1], "weights").to(scores.device)
-        return scores.to(torch.float32) @ w
+        return weighted_sum(scores, self.weights)
 
 
 class GroupNormalizedSum(RewardMixer):

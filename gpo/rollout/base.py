@@ -32,19 +32,24 @@ class Sampling:
 
     def __post_init__(self) -> None:
         where = "model.engine.init_args.sampling"  # every engine takes one ``sampling`` argument
-        if not self.temperature > 0:
-            raise ValueError(
-                f"{where}.temperature={self.temperature} must be > 0 (1.0 samples the policy as is; evaluation "
-                "decodes greedily on its own)."
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"{where}.top_p={self.top_p} must be in (0, 1] (1 disables it).")
+        check_temperature_and_top_p(self.temperature, self.top_p, where)
         if self.top_k < 0:
             raise ValueError(f"{where}.top_k={self.top_k} must be >= 0 (0 disables it).")
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"{where}.max_new_tokens={self.max_new_tokens} must be >= 1 (the completion budget in tokens)."
             )
+
+
+def check_temperature_and_top_p(temperature: float, top_p: float, where: str) -> None:
+    """Refuse a temperature or nucleus mass out of bounds, naming it under ``where``, its configuration group."""
+    if not temperature > 0:
+        raise ValueError(
+            f"{where}.temperature={temperature} must be > 0 (1.0 samples the policy as is; evaluation decodes "
+            "greedily on its own)."
+        )
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{where}.top_p={top_p} must be in (0, 1] (1 disables it).")
 
 
 OPTIONAL_TENSORS = ("logp", "scores", "reward", "turn_rewards", "turn_index", "version")  # Rollout's, None or [B, ...]

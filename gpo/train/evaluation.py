@@ -11,8 +11,9 @@ import torch
 from lightning import LightningModule
 from torch import Tensor
 
+from gpo.algo.mixers import weighted_sum
 from gpo.rewards.runner import reward_name
-from gpo.rollout.base import Rollout, Sampling
+from gpo.rollout.base import Sampling, check_temperature_and_top_p
 from gpo.rollout.collector import Collector
 from gpo.seeds import stream_seed
 
@@ -29,8 +30,9 @@ class Evaluation:
     its reward is at least ``pass_threshold``. Logged: ``val/reward_greedy``, ``val/pass@1_greedy``,
     ``val/reward_sampled`` and ``val/pass@1_sampled`` (means over the sampled completions), ``val/pass@k`` (the
     fraction of prompts with at least one passing sample among its k), each averaged over the seeds. With several
-    reward functions, each one's mean too: ``val/reward_greedy/<name>``, ``val/reward_sampled/<name>`` (``pass``
-    reads the mixed reward).
+    reward functions, each one's mean too: ``val/reward_greedy/<name>``, ``val/reward_sampled/<name>``. The reward
+    is the reward functions' weighted sum (``gpo.algo.mixers.weighted_sum``), as ``reward/mean`` in training is: a
+    mixer that normalises within groups (GDPO) would make it 0; ``pass`` reads it too.
 
     Args:
         samples: sampled completions per prompt and seed (the k of pass@k).
@@ -55,7 +57,8 @@ class Evaluation:
             raise ValueError(f"model.evaluation.pass_threshold={self.pass_threshold} must be a finite number.")
         if not self.seeds:
             raise ValueError("model.evaluation.seeds is empty; give at least one seed (e.g. [1234]).")
-        Sampling(temperature=self.temperature or 1.0, top_p=self.top_p or 1.0)  # the same bounds as the engines'
+        check_temperature_and_top_p(1.0 if self.temperature is None else self.temperature,
+                                    1.0 if self.top_p is None else self.top_p, "model.evaluation")  # fmt: skip
 
     def sampling(self, engine: Sampling) -> Sampling:
         """The engine's sampling with this evaluation's temperature and top-p where they are set."""
@@ -67,8 +70,10 @@ def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settin
     """The evaluation metrics of ``batch`` (see ``Evaluation``) and ``val/reward_errors_{kind}/<name>`` (counts of
     samples scored as ``reward_errors.value``)."""
     errors, sampled, parts = Counter(), [], []
-    greedy = collector.score(collector.sample(batch, seed=None, greedy=True, n=1), errors)
-    metrics = {"val/reward_greedy": greedy.reward.mean(), "val/pass@1_greedy": _passed(greedy, settings).mean()}
+    greedy_seed = stream_seed("eval/greedy", settings.seeds[0], batch_idx)  # a multi-turn episode's seed, too
+    greedy = collector.score(collector.sample(batch, seed=greedy_seed, greedy=True, n=1), errors)
+    greedy_reward = weighted_sum(greedy.scores, collector.mixer.weights)  # [B]
+    metrics = {"val/reward_greedy": greedy_reward.mean(), "val/pass@1_greedy": _passed(greedy_reward, settings).mean()}
     metrics |= _each_reward("val/reward_greedy", collector, greedy.scores.mean(0))
     metrics |= {f"val/reward_errors_greedy/{name}": greedy.reward.new_tensor(c) for name, c in errors.items()}
     errors, sampling = Counter(), settings.sampling(collector.engine.sampling)
@@ -77,10 +82,11 @@ def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settin
             batch, seed=stream_seed("eval", seed, batch_idx), n=settings.samples, sampling=sampling
         )
         rollout = collector.score(rollout, errors)
-        passed = _passed(rollout, settings)  # [B]
+        sampled_reward = weighted_sum(rollout.scores, collector.mixer.weights)  # [B]
+        passed = _passed(sampled_reward, settings)  # [B]
         _, prompt = torch.unique(rollout.group, return_inverse=True)  # [B]
         any_passed = passed.new_zeros(int(prompt.max()) + 1).scatter_reduce(0, prompt, passed, "amax")  # [prompts]
-        sampled.append(torch.stack([rollout.reward.mean(), passed.mean(), any_passed.mean()]))  # [3]
+        sampled.append(torch.stack([sampled_reward.mean(), passed.mean(), any_passed.mean()]))  # [3]
         parts.append(rollout.scores.mean(0))  # [K]
     reward, pass1, passk = torch.stack(sampled).mean(0)  # over the seeds
     metrics |= {"val/reward_sampled": reward, "val/pass@1_sampled": pass1, f"val/pass@{settings.samples}": passk}
@@ -105,5 +111,5 @@ def _each_reward(prefix: str, collector: Collector, means: Tensor) -> dict[str, 
     return {f"{prefix}/{reward_name(fn)}": mean for fn, mean in zip(collector.rewards, means, strict=True)}
 
 
-def _passed(rollout: Rollout, settings: Evaluation) -> Tensor:
-    return (rollout.reward >= settings.pass_threshold).float()  # [B]
+def _passed(reward: Tensor, settings: Evaluation) -> Tensor:
+    return (reward >= settings.pass_threshold).float()  # [B]

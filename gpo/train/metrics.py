@@ -8,6 +8,7 @@ import torch
 from lightning import Trainer
 from torch import Tensor
 
+from gpo.algo.mixers import weighted_sum
 from gpo.algo.objective import combine_statistics
 from gpo.parallel import collectives
 from gpo.rewards.runner import RewardFn, reward_name
@@ -26,7 +27,7 @@ def step_metrics(
     ``reward/mixed_mean`` is the mean of what the advantages were computed from (the mixer's output, plus a KL
     penalty placed in the reward)."""
     lengths, scores, mask = step["lengths"].float(), step["scores"], step["mask"]
-    reward = scores.sum(1) if weights is None else scores @ scores.new_tensor(list(weights))  # [B]
+    reward = weighted_sum(scores, weights)  # [B]
     rows = torch.stack([reward, step["reward"].float(), lengths, step["truncated"].float()])  # [4, B]
     means = rows.mean(1)  # [4]: one reduction for the four row means
     token_means = (torch.stack([adv, adv.abs()]) * mask).sum((1, 2)) / mask.sum().clamp_min(1)  # [2]

@@ -205,8 +205,8 @@ class GPOModule(RolloutSource, LightningModule):
                                      "parts": part_states(self)}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._trainer is None:  # load_from_checkpoint: the weights alone; the run's state belongs to a resume
-            return
+        if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            return  # load_from_checkpoint, or an evaluation of a checkpoint (under any rewards): the weights alone
         state = checkpoint.get("gpo", {})
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         warn_changed_settings(state.get("settings", {}), describe_settings(self))

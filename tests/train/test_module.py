@@ -342,3 +342,68 @@ def test_the_max_steps_warning_is_for_fitting_not_validating(workspace, caplog):
     with caplog.at_level("WARNING", logger="gpo.train.preflight"):
         quiet_trainer(3).validate(module, prompts(model, data, 2, val_size=4))
     assert "is not a multiple" not in caplog.text
+
+
+def always_one(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+def test_the_held_out_reward_is_the_rewards_weighted_sum_whatever_the_mixer(workspace):
+    """GDPO's mixer normalises within groups: a one-row greedy group gets exactly 0 from it, and every held-out
+    reward and pass rate read 0 before."""
+    from gpo.algo import GroupNormalizedSum
+
+    model, data = workspace
+    module = tiny_module(model, rewards=(positional_match, always_one), mixer=GroupNormalizedSum(weights=[1.0, 0.5]))
+    (got,) = quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4))
+    for kind in ("greedy", "sampled"):
+        expected = got[f"val/reward_{kind}/positional_match"] + 0.5 * got[f"val/reward_{kind}/always_one"]
+        assert got[f"val/reward_{kind}"] == pytest.approx(expected, abs=1e-6) and expected >= 0.5, got
+
+
+RESET_SEEDS: list[int] = []
+
+
+def test_a_multi_turn_greedy_evaluation_plays_the_same_episodes_whatever_the_global_generator(workspace):
+    """The greedy pass's environment seeds came from torch's global generator: each evaluation played other games."""
+    from gpo.envs import NumberGuess
+    from gpo.envs.number_guess_prompts import prompt
+    from gpo.rewards import env_reward
+    from gpo.rollout import MultiTurnEngine
+    from gpo.tasks import write_jsonl
+
+    class SeedsSeen(NumberGuess):
+        def reset(self, seed, task):
+            RESET_SEEDS.append(seed)
+            return super().reset(seed, task)
+
+    model, _ = workspace
+    data = write_jsonl([{"prompt": prompt(1, 8)}] * 16, f"{model}/../guess.jsonl")
+    seen = []
+    for generator_seed in (0, 1):
+        RESET_SEEDS.clear()
+        torch.manual_seed(generator_seed)
+        engine = MultiTurnEngine(engine=HFEngine(sampling=Sampling(max_new_tokens=3)), env=SeedsSeen(), max_turns=2)
+        quiet_trainer(1).validate(tiny_module(model, rewards=(env_reward,), engine=engine),
+                                  prompts(model, data, 4, val_size=8))  # fmt: skip
+        seen.append(list(RESET_SEEDS))
+    assert seen[0] == seen[1] and len(seen[0]) == 8 * (1 + 4)  # greedy, then 4 samples a prompt
+
+
+@pytest.mark.parametrize("setting", [{"temperature": 0.0}, {"top_p": 0.0}])
+def test_an_evaluation_setting_out_of_bounds_is_refused_under_its_own_key(setting):
+    from gpo.train.evaluation import Evaluation
+
+    key = next(iter(setting))
+    with pytest.raises(ValueError, match=rf"^model\.evaluation\.{key}=0\.0 must be"):
+        Evaluation(**setting)  # 0 read as "not set" before, and the run failed later naming the engine's setting
+
+
+def test_a_checkpoint_is_evaluated_under_other_rewards_than_it_trained_with(workspace, tmp_path):
+    model, data = workspace
+    trainer = quiet_trainer(1, enable_checkpointing=False)
+    trainer.fit(tiny_module(model), prompts(model, data, 2))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    module = tiny_module(model, rewards=(positional_match, always_one))
+    (got,) = quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4), ckpt_path=tmp_path / "trained.ckpt")
+    assert got["val/reward_greedy/always_one"] == 1.0
