@@ -115,15 +115,17 @@ def run(argv: list[str] | None = None) -> None:
 def is_user_error(error: Exception) -> bool:
     """Whether ``error`` reports a configuration or input problem (``USER_ERRORS``, a checkpoint that cannot be used,
     a trainer setting Lightning refuses, a task app, judge or server that is down or refuses: its message names the
-    address and the fix; or a folder that cannot be written, named by its path), which ``run`` prints as a short
-    message."""
+    address and the fix; a run whose batches are all skipped; or a folder that cannot be written, named by its
+    path), which ``run`` prints as a short message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException  # only once something has failed
 
     from gpo.envs.http import ServiceError
     from gpo.train.checkpointing import CheckpointError
+    from gpo.train.module import RunStalled
 
     unwritable = isinstance(error, OSError) and error.errno in UNWRITABLE and error.filename is not None
-    return unwritable or isinstance(error, (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError))
+    known = (*USER_ERRORS, CheckpointError, MisconfigurationException, ServiceError, RunStalled)
+    return unwritable or isinstance(error, known)
 
 
 def known_groups() -> dict[str, type]:

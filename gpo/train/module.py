@@ -32,7 +32,7 @@ from gpo.train.data import PromptDraws
 from gpo.train.evaluation import Evaluation, evaluate, log_evaluation
 from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
 from gpo.train.learner import OldLogprobs, lightning_backend
-from gpo.train.metrics import publish, publish_step
+from gpo.train.metrics import log_due, publish, publish_step
 from gpo.train.optimization import Optimization
 from gpo.train.run_state import (
     check_same_run,
@@ -45,6 +45,13 @@ from gpo.train.run_state import (
     run_state,
     warn_changed_settings,
 )
+
+#: Training batches skipped in a row (no rows left after the rollout hooks, or no token in the loss) that stop a run.
+MAX_SKIPPED_IN_A_ROW = 100
+
+
+class RunStalled(RuntimeError):
+    """Training batches go by and none trains, so ``max_steps`` would never be reached."""
 
 
 class GPOModule(RolloutSource, LightningModule):
@@ -143,6 +150,7 @@ class GPOModule(RolloutSource, LightningModule):
         self.collector, self.learner, self.feed, self.credit = built.collector, built.learner, built.feed, built.credit
         self.evaluation = built.evaluation
         self._restored: dict[str, Any] = {}
+        self.skipped_in_a_row = 0  # training batches skipped in a row (RunStalled at MAX_SKIPPED_IN_A_ROW)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -234,6 +242,15 @@ class GPOModule(RolloutSource, LightningModule):
             publish(self.trainer, {"pipeline/filling": torch.tensor(1.0, device=self.device)}, log=True)
             return
         trainable, dropped = self._trainable(self.feed.take())
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if trainable is None else 0
+        if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+            raise RunStalled(
+                f"the last {MAX_SKIPPED_IN_A_ROW} training batches were all skipped, so the run would never reach "
+                "trainer.max_steps: the rollout hooks left no rows (DifficultyFilter or DynamicSampling drop the "
+                "groups whose completions all got one reward: their metrics, dynamic_sampling/* and difficulty/*, say "
+                "how many), or no token was left in the loss. Check the reward functions and the completion budget, "
+                "or loosen the filter."
+            )
         if trainable is None:
             skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
             if dropped:  # pipelined: rows too stale to train on (all of them, unless a hook or a rank skipped too)
@@ -243,7 +260,8 @@ class GPOModule(RolloutSource, LightningModule):
                     "(pipeline/dropped_stale), and the step was skipped. With VLLMWeightSync(weight_sync_interval > 1) "
                     "the engine's weights are older still: raise model.max_off_policy_steps, or sync every step."
                 )
-            publish(self.trainer, {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}, log=True)
+            skipped = {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}
+            publish(self.trainer, skipped, log=log_due(self.trainer))
             return
         rollout, mask, collected = *trainable, time.perf_counter()
         step, step_adv, adv = self.credit(rollout, mask)

@@ -245,6 +245,23 @@ def test_gpo_skips_a_step_without_informative_groups(tiny_assets):
     assert trainer.callback_metrics["rollout/skipped"] == 1.0
 
 
+def test_a_run_whose_batches_are_all_skipped_stops_with_the_cause_instead_of_running_forever(tiny_assets, monkeypatch):
+    """Skipped batches do not count towards max_steps: a run that skips them all never ended."""
+    from gpo.train.module import RunStalled
+
+    monkeypatch.setattr("gpo.train.module.MAX_SKIPPED_IN_A_ROW", 3)
+    model, data = tiny_assets
+
+    def constant(prompts, completions, **_):
+        return [1.0] * len(completions)
+
+    module = tiny.tiny_module(model, [constant], group_size=2, engine=HFEngine(sampling=Sampling(max_new_tokens=2)))
+    trainer = quiet_trainer(5, [DynamicSampling(max_rounds=0)])
+    with pytest.raises(RunStalled, match=r"the last 3 training batches were all skipped.*dynamic_sampling/\*"):
+        trainer.fit(module, tiny.prompts(model, data, 2))
+    assert trainer.fit_loop.epoch_loop.total_batch_idx == 2 and trainer.global_step == 0
+
+
 class Bandit(RolloutSource, L.LightningModule):
     """Not a GPOModule: a policy over ``actions`` answers per prompt, trained by group-mean-baselined REINFORCE on
     reward 1 for answer ``prompt % actions``. It follows only DynamicSampling's documented contract: it declares
