@@ -210,7 +210,8 @@ class RolloutEngine(ABC):
             in sync): its log-probs equal the trainer's, so the trainer does not measure a mismatch.
         serves_all_ranks: one engine (a server) serves every training process: weight updates come from rank 0 alone.
         episodic: the engine plays environment episodes: its rollouts carry ``turn_rewards`` and ``turn_index``, which
-            per-turn credit (``model.step_rewards``) needs.
+            per-turn credit (``model.step_rewards``) needs. Its ``generate`` also takes ``tasks``, the prompts' text
+            (the dataset's prompt column, before a chat template), which it hands to the environment.
     """
 
     sampling: Sampling

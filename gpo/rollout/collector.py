@@ -114,8 +114,9 @@ class Collector:
         """``n`` completions (default ``group_size``) per prompt of ``batch``, with texts and dataset fields;
         ``sampling`` replaces the engine's settings for this call."""
         n = n or self.group_size
+        tasks = {"tasks": batch["prompt"]} if self.engine.episodic else {}  # the environment gets the prompts' text
         generated = self.engine.generate(
-            batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs, sampling=sampling
+            batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs, sampling=sampling, **tasks
         )
         rollout = generated.to(self.device)
         rollout.prompts = [p for p in batch["prompt"] for _ in range(n)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -130,26 +130,33 @@ class MultiTurnEngine(RolloutEngine):
         seed: int | None = None,
         logprobs: bool = True,
         sampling: Sampling | None = None,
+        tasks: Sequence[str] | None = None,
     ) -> Rollout:
+        """``tasks``: each prompt's text, which its episodes' environment gets (``Environment.reset``); None: the
+        prompt tokens decoded (with the chat template, where the data applied one)."""
         if self.tokenizer is None:
             raise RuntimeError("MultiTurnEngine.generate called before setup(policy, tokenizer).")
         episodes = [Episode(prompt=list(p)) for p in prompt_ids for _ in range(n)]
+        if tasks is None:
+            tasks = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
         # ``sampling`` is an episode's (as ``self.sampling``): each turn keeps the wrapped engine's budget
         turn = None if sampling is None else replace(sampling, max_new_tokens=self.engine.sampling.max_new_tokens)
-        asyncio.run(self._play(episodes, n, greedy=greedy, seed=seed, logprobs=logprobs, sampling=turn))
+        asyncio.run(self._play(episodes, n, list(tasks), greedy=greedy, seed=seed, logprobs=logprobs, sampling=turn))
         return self._rollout(prompt_ids, n, episodes, logprobs)
 
     async def _play(
         self,
         episodes: list[Episode],
         n: int,
+        tasks: list[str],
         *,
         greedy: bool,
         seed: int | None,
         logprobs: bool,
         sampling: Sampling | None,
     ) -> None:
-        """Open every episode, alternate policy and environment turns, and close them all, also on error."""
+        """Open every episode (prompt ``i``'s ``n`` on ``tasks[i]``), alternate policy and environment turns, and close
+        them all, also on error."""
         limit = asyncio.Semaphore(self.max_concurrent_rollouts or len(episodes))
 
         async def bounded(call):
@@ -160,9 +167,7 @@ class MultiTurnEngine(RolloutEngine):
             episode.handle, observation = await bounded(self.episodes.open(env_seed, task))  # known once opened
             self._observe(episode, observation)
 
-        prompts = episodes[::n]
-        tasks = self.tokenizer.batch_decode([e.prompt for e in prompts], skip_special_tokens=True)
-        env_seeds = episode_seeds(seed, len(prompts))
+        env_seeds = episode_seeds(seed, len(tasks))
         async with self.episodes:
             try:
                 await _all([open_episode(e, env_seeds[i // n], tasks[i // n]) for i, e in enumerate(episodes)])

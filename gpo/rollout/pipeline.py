@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
@@ -107,8 +107,11 @@ class QueuedEngine(RolloutEngine):
         seed: int | None = None,
         logprobs: bool = True,
         sampling: Sampling | None = None,
+        tasks: Sequence[str] | None = None,
     ) -> Rollout:
+        """``tasks``: the prompts' text, for an episodic engine (``RolloutEngine.episodic``)."""
         kwargs = {"greedy": greedy, "seed": seed, "logprobs": logprobs, "sampling": sampling}
+        kwargs |= {"tasks": tasks} if tasks is not None else {}
         return self.thread.run(self._generate, prompt_ids, n, **kwargs)
 
     def _generate(self, prompt_ids: list[list[int]], n: int, **kwargs: Any) -> Rollout:

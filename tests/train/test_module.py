@@ -407,3 +407,32 @@ def test_a_checkpoint_is_evaluated_under_other_rewards_than_it_trained_with(work
     module = tiny_module(model, rewards=(positional_match, always_one))
     (got,) = quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4), ckpt_path=tmp_path / "trained.ckpt")
     assert got["val/reward_greedy/always_one"] == 1.0
+
+
+TASKS_SEEN: list[str] = []
+
+
+def test_a_multi_turn_environment_gets_the_prompts_text_not_its_chat_template(workspace, tmp_path):
+    from transformers import AutoTokenizer
+
+    from gpo.envs import NumberGuess
+    from gpo.envs.number_guess_prompts import prompt
+    from gpo.rewards import env_reward
+    from gpo.rollout import MultiTurnEngine
+    from gpo.tasks import write_jsonl
+
+    class TasksSeen(NumberGuess):
+        def reset(self, seed, task):
+            TASKS_SEEN.append(task)
+            return super().reset(seed, task)
+
+    model, _ = workspace
+    templated = AutoTokenizer.from_pretrained(model)
+    templated.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    templated.save_pretrained(tmp_path / "templated")
+    data = write_jsonl([{"prompt": prompt(1, 8)}] * 8, tmp_path / "guess.jsonl")
+    engine = MultiTurnEngine(engine=HFEngine(sampling=Sampling(max_new_tokens=3)), env=TasksSeen(), max_turns=1)
+    module = tiny_module(model, rewards=(env_reward,), engine=engine, tokenizer=str(tmp_path / "templated"))
+    TASKS_SEEN.clear()
+    quiet_trainer(1).fit(module, prompts(str(tmp_path / "templated"), str(data), 2))
+    assert TASKS_SEEN and set(TASKS_SEEN) == {prompt(1, 8)}  # not "<" + prompt + ">"
