@@ -67,6 +67,10 @@ class PolicyObjective:
         self.scaling = [w for w in token_weights if not w.drops_tokens]
         self.step_masks = [m for m in masks if not m.per_update]
         self.update_masks = [m for m in masks if m.per_update]
+        for part in (gate, *masks, *token_weights):
+            if not isinstance(part.requires, frozenset | set):  # a string would be read as its characters
+                raise TypeError(f"{type(part).__name__}.requires={part.requires!r} must be a frozenset of input "
+                                "names, e.g. frozenset({'ref_logp'}) (docs/algorithms.md lists them).")  # fmt: skip
         needs_reference = self.kl is not None or any("ref_logp" in w.requires for w in self.scaling)
         needs = [gate.requires, *(m.requires for m in masks), distill.requires if distill is not None else set()]
         self.requires = frozenset().union(*needs) - ALWAYS_GIVEN | ({"ref_logp"} if needs_reference else set())

@@ -68,6 +68,14 @@ def test_a_gate_requiring_the_reference_and_teacher_log_probs_is_given_them():
     assert gate.seen[0] is ref and gate.seen[1] is teacher
 
 
+def test_requires_given_as_a_string_is_refused_naming_the_part():
+    class OneString(NoGate):
+        requires = "ref_logp"
+
+    with pytest.raises(TypeError, match=r"OneString\.requires='ref_logp' must be a frozenset of input names"):
+        PolicyObjective(OneString(), TokenMean())
+
+
 # Two completions, three positions. NoGate (loss -A log pi) makes the reference easy to write by hand.
 #   row 0: A = -1, log(pi / pi_old) = (-0.6, -0.6, -0.6): mean log(pi_old / pi) = 0.6 > 0.5 -> masked per update
 #   row 1: A = +2, two tokens, log-ratios (0.1, -0.1)
