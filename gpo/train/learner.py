@@ -257,7 +257,8 @@ class Learner:
             backend.optimizer.step()  # the scaler sees the overflow: no update, a lower scale
             backend.scheduler.step()
             return None
-        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step):
+        inputs = {"advantages": batch.adv, **batch.inputs}  # what the loss read besides the policy's log-probs
+        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step, inputs):
             backend.optimizer.zero_grad()
             return None
         backend.optimizer.step()

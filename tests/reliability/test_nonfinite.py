@@ -91,6 +91,23 @@ def test_a_nonfinite_update_is_skipped_logged_and_training_goes_on(workspace, ca
     assert f"optimiser step 2: {quantity}" in message and "(1 in a row)" in message
     if where == "grad":
         assert "non-finite gradients in model.layers.0.mlp.up_proj.weight" in message
+    assert "non-finite inputs" not in message  # the advantages and log-probs the loss read were finite
+
+
+def test_non_finite_advantages_are_named_as_the_cause(workspace):
+    model, data = workspace
+    module = GPOModule(model, [length], group_size=4, engine=HFEngine(sampling=Sampling(max_new_tokens=3)))
+    credit = module.credit
+
+    def nan_advantages(rollout, mask):  # an advantage estimator of one's own that divides by zero
+        step, step_adv, adv = credit(rollout, mask)
+        return step, step_adv, adv * float("nan")
+
+    module.credit = nan_advantages
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module.learner.nonfinite.max_in_a_row = 1
+    with pytest.raises(FloatingPointError, match=r"\(non-finite inputs: advantages\).*the advantage estimator"):
+        trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
 
 
 def test_too_many_nonfinite_updates_in_a_row_stop_the_run_with_the_fix(workspace):
