@@ -216,6 +216,9 @@ def checked_gate_output(out: object, gate: RatioGate, mask: Tensor, logp: Tensor
     strays = sorted(key for key, value in metrics.items() if not isinstance(value, Tensor) or value.ndim != 0)
     if strays:
         raise ValueError(f"{name} returned metrics {strays} that are not 0-d tensors; give one detached value each.")
+    attached = sorted(key for key, value in metrics.items() if value.requires_grad)  # would hold the step's graph
+    if attached:
+        raise ValueError(f"{name} returned metrics {attached} that carry a gradient; give value.detach().")
     return loss, metrics
 
 

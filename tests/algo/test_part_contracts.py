@@ -83,6 +83,8 @@ class Returns(RatioGate):
         (Returns(lambda logp, adv: (-adv * logp).detach()), r"a per_token_loss without gradient \(detached"),
         (Returns(lambda logp, adv: -adv * logp, {"x": 0.5, "y": torch.zeros(4)}), r"metrics \['x', 'y'\] that are "
          r"not 0-d"),
+        (Returns(lambda logp, adv: -adv * logp, {"mean": torch.ones((), requires_grad=True) * 2}),
+         r"metrics \['mean'\] that carry a gradient; give value.detach\(\)"),
     ],
 )  # fmt: skip
 def test_a_gate_output_outside_the_contract_is_refused_by_name(gate, message):
