@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -28,8 +30,11 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising
     Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
-    notices SIGTERM only at the end of an epoch. With several processes every rank stops after the same step,
-    whichever got the signal (one all-reduce of a flag per training batch). SIGTERM during an evaluation (which runs
+    notices SIGTERM only at the end of an epoch. Ctrl-C (SIGINT) while training does the same, then stops as
+    Lightning stops at Ctrl-C (``KeyboardInterrupt``, exit code 1); a second Ctrl-C stops at once, without the
+    checkpoint (Lightning alone stops wherever the first one lands, mid-step, and saves nothing). With several
+    processes every rank stops after the same step, whichever got the signal (one all-reduce of two flags per
+    training batch). SIGTERM during an evaluation (which runs
     after a whole step) stops it at its next batch, writes the checkpoint in a single-process run, and exits 143 too:
     Lightning alone ends such a run with exit code 0, as if it had finished. Files are replaced atomically when the
     trainer's checkpoint IO is gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
@@ -61,6 +66,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         )
         self._lock: RunLock | None = None
         self._sigterm_seen = False  # this process received SIGTERM (runs of several processes: on_train_start)
+        self._sigint_seen = False  # this process received Ctrl-C (SIGINT) while training
+        self._sigint_before: signal.Handlers | Callable | None = None  # the SIGINT handler to put back
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._default_dirpath(trainer)
@@ -78,24 +85,43 @@ class ResumeCheckpoint(ModelCheckpoint):
             self._lock.acquire()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """With several processes, SIGTERM only marks the process that gets it; the ranks agree at the end of each
-        training batch (``_sigterm_requested``) and stop together. Lightning's own handler, installed just before,
-        broadcasts from inside the signal handler while a rank may be in another collective, and its loops stop the
-        signalled rank alone: either way the run hangs (Lightning issue #20806)."""
-        self._sigterm_seen = False  # a callback fitted again starts afresh
-        if trainer.world_size > 1 and threading.current_thread() is threading.main_thread():
+        """Ctrl-C marks the process that gets it (the step goes on). With several processes SIGTERM does too; the
+        ranks agree at the end of each training batch (``_stop_requested``) and stop together. Lightning's own
+        handler, installed just before, broadcasts from inside the signal handler while a rank may be in another
+        collective, and its loops stop the signalled rank alone: either way the run hangs (Lightning issue
+        #20806)."""
+        self._sigterm_seen = self._sigint_seen = False  # a callback fitted again starts afresh
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread
+        if trainer.world_size > 1:
             signal.signal(signal.SIGTERM, self._note_sigterm)  # Lightning's teardown restores the handler before it
+        self._sigint_before = signal.signal(signal.SIGINT, self._note_sigint)
 
     def _note_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm_seen = True
 
-    def _sigterm_requested(self, trainer: Trainer) -> bool:
-        """Whether to stop after this batch: Lightning's flag in one process; with several, whether any rank got
-        SIGTERM (one all-reduce a batch, so that every rank stops after the same step)."""
+    def _note_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if self._sigint_seen:  # the second Ctrl-C: stop where it lands, as Lightning does
+            self._restore_sigint()
+            raise KeyboardInterrupt
+        self._sigint_seen = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once, without one)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def _restore_sigint(self) -> None:
+        if self._sigint_before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._sigint_before)
+            self._sigint_before = None
+
+    def _stop_requested(self, trainer: Trainer) -> tuple[bool, bool]:
+        """Whether to stop after this batch, for SIGTERM and for Ctrl-C: in one process Lightning's SIGTERM flag and
+        this callback's Ctrl-C one; with several, whether any rank got either (one all-reduce a batch, so that
+        every rank stops after the same step)."""
         if trainer.world_size == 1:
-            return trainer.received_sigterm
-        seen = torch.tensor(float(self._sigterm_seen), device=trainer.strategy.root_device)
-        return bool(collectives.reduce_over_ranks(seen, "max"))
+            return trainer.received_sigterm, self._sigint_seen
+        seen = torch.tensor([float(self._sigterm_seen), float(self._sigint_seen)], device=trainer.strategy.root_device)
+        sigterm, sigint = collectives.reduce_over_ranks(seen, "max").tolist()
+        return bool(sigterm), bool(sigint)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Known only now: whether this run resumed a checkpoint (Lightning loads it after the setup hooks).
@@ -108,11 +134,13 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release(trainer)
+        self._restore_sigint()
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stopped_by_lightning(trainer, exception)
         self._release(trainer)  # a run that fails (a setting refused at setup, a crash) gets no teardown
+        self._restore_sigint()
 
     def _release(self, trainer: Trainer) -> None:
         if self._lock is not None and trainer.is_global_zero:
@@ -141,12 +169,14 @@ class ResumeCheckpoint(ModelCheckpoint):
         # extended to a larger max_steps would start the next epoch instead of finishing this one.
         due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
         last = 0 < trainer.max_steps <= trainer.global_step
-        stop = self._sigterm_requested(trainer)
-        if due or last or stop:
+        sigterm, sigint = self._stop_requested(trainer)
+        if due or last or sigterm or sigint:
             self._save_now(trainer)
-        if stop:
-            rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {self.last_model_path}")
-            raise SIGTERMException(SIGTERM_EXIT_CODE)
+        if sigterm or sigint:
+            signal_name = "SIGTERM" if sigterm else "Ctrl-C"
+            rank_zero_info(f"{signal_name}: stopped after step {trainer.global_step}; resume from "
+                           f"{self.last_model_path}")  # fmt: skip
+            raise SIGTERMException(SIGTERM_EXIT_CODE) if sigterm else KeyboardInterrupt
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_now(trainer)

@@ -108,19 +108,21 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> Non
         time.sleep(0.05)
 
 
-def interrupt_after_first_checkpoint(config: Path, root: Path, how: signal.Signals) -> tuple[int, int]:
+def interrupt_after_first_checkpoint(config: Path, root: Path, how: signal.Signals) -> tuple[int, int, bool]:
     """Start a run, wait for its first checkpoint, cue a stall inside the next step's reward call, send ``how``.
 
-    SIGKILL lands mid-step (the reward stalls for minutes); SIGTERM lands mid-step too, and the step (stalling for a
-    second) finishes before the run stops. Returns the process's exit code and the checkpoint's step."""
-    cue = root / "cue"
+    SIGKILL lands mid-step (the reward stalls for minutes); SIGTERM and Ctrl-C land mid-step too, and the step
+    (stalling for a second) finishes before the run stops. Returns the process's exit code, the checkpoint's step and
+    whether the checkpoint was written after the signal."""
+    cue, last = root / "cue", root / "checkpoints/last.ckpt"
     process = fit_in_subprocess(config, root, cue, stall_s=600 if how == signal.SIGKILL else 1)
-    wait_for(root / "checkpoints/last.ckpt", process)
+    wait_for(last, process)
     cue.touch()
     wait_for(Path(f"{cue}.hit"), process)
+    signalled = time.time()
     process.send_signal(how)
     code = process.wait(timeout=120)
-    return code, load(root)["global_step"]
+    return code, load(root)["global_step"], last.stat().st_mtime > signalled
 
 
 def batches_done(checkpoint: dict) -> int:
@@ -165,7 +167,7 @@ def test_uninterrupted_run_checkpoints_its_last_step(config, uninterrupted):
 
 
 def test_sigkill_mid_step_then_resume_gives_bitwise_the_same_weights(config, tmp_path, uninterrupted):
-    code, step = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGKILL)
+    code, step, _ = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL and 0 < step < 36
     resume_and_check_only_the_rest_trains(config, tmp_path, uninterrupted)
     assert_same_run(load(tmp_path), uninterrupted)
@@ -178,9 +180,20 @@ def test_sigkill_mid_step_then_resume_gives_bitwise_the_same_weights(config, tmp
 
 
 def test_sigterm_checkpoints_the_finished_step_exits_143_and_resumes_exactly(config, tmp_path, uninterrupted):
-    code, step = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGTERM)
-    assert code == SIGTERM_EXIT_CODE
+    code, step, saved_at_the_signal = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGTERM)
+    assert code == SIGTERM_EXIT_CODE and saved_at_the_signal
     assert step % 4 == 0 and 8 <= step < 36  # stopped after a whole batch (4 optimiser steps), before the end
+    resume_and_check_only_the_rest_trains(config, tmp_path, uninterrupted)
+    assert_same_run(load(tmp_path), uninterrupted)
+
+
+def test_ctrl_c_checkpoints_the_finished_step_stops_and_resumes_exactly(config, tmp_path, uninterrupted):
+    """Lightning alone stops where Ctrl-C lands, mid-step, without a checkpoint."""
+    if lag(config) == 0:
+        pytest.skip("shown on the pipelined run, whose checkpoint also holds the rollouts collected ahead")
+    code, step, saved_at_the_signal = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGINT)
+    assert code == 1 and saved_at_the_signal  # Lightning's exit code at Ctrl-C; its last periodic checkpoint is older
+    assert step % 4 == 0 and 8 <= step < 36  # stopped after a whole batch, with its checkpoint
     resume_and_check_only_the_rest_trains(config, tmp_path, uninterrupted)
     assert_same_run(load(tmp_path), uninterrupted)
 
