@@ -95,7 +95,6 @@ class EnvEventOutcomeBlend(WeightedSum):
 
     def __init__(self, *, env: float = 1.0, event: float = 0.0, outcome: float = 0.0) -> None:
         super().__init__(weights=[env, event, outcome])
-        self.env, self.event, self.outcome = env, event, outcome
 
     def __call__(self, scores: Tensor, group: Tensor) -> Tensor:
         if scores.shape[-1] != 3:

@@ -71,9 +71,20 @@ class PolicyObjective:
             if not isinstance(part.requires, frozenset | set):  # a string would be read as its characters
                 raise TypeError(f"{type(part).__name__}.requires={part.requires!r} must be a frozenset of input "
                                 "names, e.g. frozenset({'ref_logp'}) (docs/algorithms.md lists them).")  # fmt: skip
-        needs_reference = self.kl is not None or any("ref_logp" in w.requires for w in self.scaling)
-        needs = [gate.requires, *(m.requires for m in masks), distill.requires if distill is not None else set()]
-        self.requires = frozenset().union(*needs) - ALWAYS_GIVEN | ({"ref_logp"} if needs_reference else set())
+        weights_read = [w.requires for w in self.scaling]  # step inputs (a dropping weight reads the rollout's flags)
+        distilled = distill.requires if distill is not None else set()
+        needs = [gate.requires, *(m.requires for m in masks), distilled, *weights_read]
+        self.requires = frozenset().union(*needs) - ALWAYS_GIVEN | ({"ref_logp"} if self.kl is not None else set())
+
+    @property
+    def masks(self) -> list[TokenMask]:
+        """Every token mask: the step masks, then the per-update ones."""
+        return [*self.step_masks, *self.update_masks]
+
+    @property
+    def token_weights(self) -> list[TokenWeight]:
+        """Every token weight: the dropping ones, then the scaling ones."""
+        return [*self.dropping, *self.scaling]
 
     def loss_mask(self, mask: Tensor, truncated: Tensor) -> Tensor:
         """``mask[B, T]`` with the tokens the dropping weights take out of the loss (and its normaliser) zeroed."""

@@ -89,7 +89,6 @@ def assemble(
     old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
     preflight.check_behaviour_policy(old_logprobs, correction is not None, max_off_policy_steps)
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
-    preflight.check_distillation(distill, teacher)
     preflight.check_step_rewards(step_rewards, engine, parts.gate)
     sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
     pipeline = None
@@ -98,6 +97,7 @@ def assemble(
         engine = pipeline.engine
     objective = PolicyObjective(parts.gate, parts.aggregator, kl=kl, entropy=entropy, token_weights=token_weights,
                                 masks=masks, distill=distill)  # fmt: skip
+    preflight.check_distillation(distill, teacher, "teacher_logp" in objective.requires)
     loaded = isinstance(policy, torch.nn.Module)
     preflight.warn_if_lora_unused(trainer_mode, lora, loaded and is_peft(policy))
     model = (prepared_policy(policy, trainer_mode, lora) if loaded

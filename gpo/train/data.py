@@ -291,8 +291,10 @@ class PromptDataModule(LightningDataModule):
         return {"settings": self.settings()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Warn, naming each, about data settings changed since the checkpoint."""
-        warn_changed_settings(state.get("settings", {}), self.settings())
+        """Warn, naming each, about data settings changed since the checkpoint a fit resumes (evaluating a
+        checkpoint on other data is no change to warn about)."""
+        if self.trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            warn_changed_settings(state.get("settings", {}), self.settings())
 
     def transfer_batch_to_device(self, batch: dict[str, Any], device: torch.device, dataloader_idx: int) -> dict:
         return batch  # token-id lists and strings: the engine puts the prompts where it samples (Lightning's walk
@@ -364,17 +366,22 @@ class PromptLoader(DataLoader):
         generator = stream_generator("data/workers", seed)
         super().__init__(rows, batch_size=batch_size, sampler=self.order, collate_fn=collate, generator=generator)
         self.batches_trained = batches_trained
+        self.resumed = (0, 0, 0)  # the epoch, batches and prompts done of the checkpoint this run resumed
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch, and how many of its prompts the trained batches took over all processes."""
-        batches = int(self.batches_trained())
-        return {"epoch": self.order.epoch, "batches_done": batches,
-                "prompts_done": batches * self.batch_size * self.order.num_replicas}  # fmt: skip
+        """The epoch, and how many of its prompts the trained batches took over all processes: those of the run this
+        one resumed (whose batches may have had another size), then this run's."""
+        batches, (epoch, batches_before, prompts_before) = int(self.batches_trained()), self.resumed
+        if epoch != self.order.epoch:
+            batches_before = prompts_before = 0
+        prompts = prompts_before + (batches - batches_before) * self.batch_size * self.order.num_replicas
+        return {"epoch": self.order.epoch, "batches_done": batches, "prompts_done": prompts}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Go on after the prompts done, whatever the batch size or the number of processes now."""
         ranks = self.order.num_replicas
         prompts_done = state.get("prompts_done", state["batches_done"] * self.batch_size * ranks)  # older checkpoints
+        self.resumed = (state["epoch"], state["batches_done"], prompts_done)
         self.order.resume(state["epoch"], prompts_done // ranks)
 
 

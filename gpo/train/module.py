@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing_extensions import override
 
 from gpo.algo import EntropyBonus, KLPenalty, RewardMixer, RolloutCorrection
 from gpo.algo.distillation import TeacherKL
@@ -207,10 +208,10 @@ class GPOModule(RolloutSource, LightningModule):
         for logger in self.trainer.loggers:  # every row logged so far is on disk: a resumed run loses none
             logger.save()
         drawn = self.collector.extra_prompts.drawn if self.collector.extra_prompts is not None else 0
-        state = run_state(drawn, self.learner.nonfinite.streak, self.feed.state())  # waits for what is in flight
+        streak, parts = self.learner.nonfinite.streak, part_states(self)
+        state = run_state(drawn, streak, parts, self.feed.state())  # waits for what is in flight
         checkpoint["gpo"] = state | {"run": describe_run(self), "settings": describe_settings(self),
-                                     "objective": self.learner.objective.state_dict(),
-                                     "parts": part_states(self)}  # fmt: skip
+                                     "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
@@ -220,7 +221,7 @@ class GPOModule(RolloutSource, LightningModule):
         warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)
         self.learner.objective.load_state_dict(state.get("objective", {}))
-        load_part_states(self, state.get("parts", {}))
+        load_part_states(self, self._restored.get("parts", {}))
         self.feed.load_state(self._restored.get("pipeline"))
 
     def on_train_start(self) -> None:
@@ -307,5 +308,6 @@ class StopFeedOnError(Callback):
     threads they were given. Lightning calls it before the checkpoint callbacks' ``on_exception``: a checkpoint they
     save holds the rollouts collected ahead by then."""
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: GPOModule, exception: BaseException) -> None:
         pl_module.feed.close()

@@ -217,11 +217,12 @@ def check_reward_names(rewards: Sequence[Any]) -> None:
         )
 
 
-def check_distillation(distill: Any, teacher: Any) -> None:
-    """``model.distill`` and ``model.teacher`` come together: one is the signal, the other the model it reads."""
+def check_distillation(distill: Any, teacher: Any, teacher_read: bool) -> None:
+    """``model.distill`` and ``model.teacher`` come together: one is the signal, the other the model it reads (or
+    another part that reads ``teacher_logp``: ``teacher_read``)."""
     if distill is not None and teacher is None:
         raise ValueError("model.distill needs a teacher: set model.teacher to the teacher model's folder.")
-    if teacher is not None and distill is None:
+    if teacher is not None and not teacher_read:
         raise ValueError(
             "model.teacher is set but nothing reads it: add model.distill (gpo.algo.TeacherKL), or remove the teacher."
         )

@@ -4,7 +4,6 @@ the extra prompt batches drawn, the non-finite streak; per rank, as checkpoint-s
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import random
 from typing import Any
@@ -51,12 +50,13 @@ def _as_tuples(value: Any) -> Any:
 
 
 def run_state(
-    extra_batches_drawn: int, nonfinite_streak: int, pipeline: dict[str, Any] | None = None
+    extra_batches_drawn: int, nonfinite_streak: int, parts: dict[str, Any], pipeline: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """This run's state for ``checkpoint["gpo"]``. Under DDP each rank has its own draws (extra prompt batches,
-    generators) and its own rollouts collected ahead (``pipeline``): every rank's are gathered (a collective: every
-    rank calls it) and kept under ``ranks``."""
-    own = {"random_state": capture_random_state(), "extra_batches_drawn": extra_batches_drawn}
+    generators), its algorithm parts' state (``part_states``: a gate or mask sees this rank's rows) and its own
+    rollouts collected ahead (``pipeline``): every rank's are gathered (a collective: every rank calls it) and kept
+    under ``ranks``."""
+    own = {"random_state": capture_random_state(), "extra_batches_drawn": extra_batches_drawn, "parts": parts}
     ranks = collectives.gather_objects(own if pipeline is None else {**own, "pipeline": pipeline})
     state = {**ranks[0], "nonfinite_streak": nonfinite_streak}
     return {**state, "ranks": ranks} if len(ranks) > 1 else state
@@ -75,11 +75,11 @@ PLAIN = (str, int, float, bool, type(None))
 
 
 def describe(part: object) -> str:
-    """``Name(setting=value, ...)`` of an algorithm part, for run descriptions: its constructor's arguments that it
-    keeps under their own names, where they are plain values or lists of them (a part held inside it, such as an
-    adaptive controller, is left out, and so is what a part learns as it runs: see ``gpo.algo.state``)."""
-    arguments = inspect.signature(type(part)).parameters
-    settings = {k: v for k, v in sorted(vars(part).items()) if k in arguments and is_plain(v)}
+    """``Name(setting=value, ...)`` of an algorithm part, for run descriptions: its public attributes that are plain
+    values or lists of them, except what it declares as its state (``PartState.state_dict``: what it learns as it
+    runs is not a setting); a part held inside it, such as an adaptive controller, is left out."""
+    state = part.state_dict() if isinstance(part, PartState) else {}
+    settings = {k: v for k, v in sorted(vars(part).items()) if not k.startswith("_") and k not in state and is_plain(v)}
     return f"{type(part).__name__}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
 
 
@@ -124,8 +124,8 @@ def describe_settings(module) -> dict[str, str]:
         "model.kl": describe_optional(objective.kl if objective.kl is not None else learner.reward_kl),
         "model.entropy": describe_optional(objective.entropy),
         "model.distill": describe_optional(objective.distill),
-        "model.token_weights": describe_all([*objective.dropping, *objective.scaling]),
-        "model.masks": describe_all([*objective.step_masks, *objective.update_masks]),
+        "model.token_weights": describe_all(objective.token_weights),
+        "model.masks": describe_all(objective.masks),
         "model.step_rewards": describe_optional(module.credit.step_rewards),
         "model.correction": describe_optional(learner.correction),
         "model.old_logprobs": learner.old_logprobs,
@@ -164,7 +164,8 @@ def _change(key: str, before: str, after: str) -> str:
 
 
 def describe_run(module) -> dict[str, str]:
-    """What makes a ``GPOModule``'s run that run: model, trainer mode, algorithm parts, rewards, group size."""
+    """What makes a ``GPOModule``'s run that run: model, trainer mode, algorithm parts (``describe``), rewards, group
+    size."""
     from gpo.models.loading import is_peft
     from gpo.rewards.runner import reward_name
 
@@ -183,11 +184,9 @@ def describe_run(module) -> dict[str, str]:
 def stateful_parts(module) -> dict[str, PartState]:
     """A ``GPOModule``'s algorithm parts, by name, whose state a checkpoint keeps (``gpo.algo.state``)."""
     objective = module.learner.objective
-    masks = [*objective.step_masks, *objective.update_masks]
-    weights = [*objective.dropping, *objective.scaling]
     return {"advantage": module.credit.advantage, "gate": objective.gate, "aggregator": objective.aggregator,
-            "mixer": module.collector.mixer, **{f"masks/{i}": mask for i, mask in enumerate(masks)},
-            **{f"token_weights/{i}": weight for i, weight in enumerate(weights)}}  # fmt: skip
+            "mixer": module.collector.mixer, **{f"masks/{i}": mask for i, mask in enumerate(objective.masks)},
+            **{f"token_weights/{i}": weight for i, weight in enumerate(objective.token_weights)}}  # fmt: skip
 
 
 def part_states(module) -> dict[str, dict[str, Any]]:

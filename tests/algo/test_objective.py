@@ -24,6 +24,7 @@ from gpo.algo import (
     TokenMean,
 )
 from gpo.algo.objective import PolicyObjective
+from gpo.algo.weighting import TokenWeight
 
 
 def grad_of(value, x):
@@ -47,6 +48,16 @@ def test_requires_is_the_union_of_what_the_parts_read_beyond_the_pass():
     topk = PolicyObjective(DivergenceMaskGate(mode="topk_tv", threshold=0.1), TokenMean())
     assert topk.requires == {"topk_logp", "old_topk_logp"}
     assert PolicyObjective(NoGate(), TokenMean(), token_weights=[ReferenceProbWeight()]).requires == {"ref_logp"}
+    assert PolicyObjective(NoGate(), TokenMean(), token_weights=[ReadsRolloutLogp()]).requires == {"rollout_logp"}
+
+
+class ReadsRolloutLogp(TokenWeight):
+    """A token weight of a user's that reads the engine's log-probs (the trainer computes them when asked)."""
+
+    requires = frozenset({"rollout_logp"})
+
+    def __call__(self, mask, *, rollout_logp):
+        return mask * rollout_logp.exp()
 
 
 class ReadsReferenceAndTeacher(NoGate):

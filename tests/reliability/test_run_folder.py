@@ -154,11 +154,12 @@ def test_a_resume_with_another_batch_size_warns_and_goes_on_after_the_prompts_tr
         )
         return seen.seen
 
-    whole = fit_seen(4, 4)
+    whole = fit_seen(6, 4)
     first = fit_seen(2, 4, ResumeCheckpoint(dirpath=folder))
     with pytest.warns(UserWarning, match=r"settings changed since the checkpoint: data\.prompts_per_step 4 -> 8\."):
         resumed = fit_seen(3, 8, ResumeCheckpoint(dirpath=folder), ckpt_path="last")
-    assert first + resumed == whole  # the prompts after those trained, none skipped or repeated
+    resumed_again = fit_seen(4, 8, ResumeCheckpoint(dirpath=folder), ckpt_path="last")  # batches of two sizes before
+    assert first + resumed + resumed_again == whole  # the prompts after those trained, none skipped or repeated
 
 
 class RunningBaseline(AdvantageEstimator):

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from gpo.algo import GSPO, EntropyBonus, KLPenalty, OverlongFilter, RolloutCorrection
+from gpo.algo import GSPO, EntropyBonus, KLPenalty, NoGate, OverlongFilter, RolloutCorrection
 from gpo.algo.distillation import TeacherKL
 from gpo.rewards import positional_match
 from gpo.rewards.runner import RewardErrors
@@ -436,3 +436,22 @@ def test_a_multi_turn_environment_gets_the_prompts_text_not_its_chat_template(wo
     TASKS_SEEN.clear()
     quiet_trainer(1).fit(module, prompts(str(tmp_path / "templated"), str(data), 2))
     assert TASKS_SEEN and set(TASKS_SEEN) == {prompt(1, 8)}  # not "<" + prompt + ">"
+
+
+class ReadsTeacher(NoGate):
+    """A gate of a user's that reads the teacher's log-probs of the sampled tokens, with no distillation term."""
+
+    requires = frozenset({"teacher_logp"})
+
+    def __call__(self, logp, old_logp, adv, mask, *, teacher_logp):
+        return super().__call__(logp, old_logp, adv * teacher_logp.exp(), mask)
+
+
+def test_a_teacher_read_by_a_gate_alone_is_accepted_and_scored(workspace):
+    from gpo.algo import Custom
+
+    model, data = workspace
+    module = tiny_module(model, algorithm=Custom(gate=ReadsTeacher()), teacher=model)  # no model.distill
+    trainer = quiet_trainer(1)
+    trainer.fit(module, prompts(model, data, 2))
+    assert trainer.global_step == 1
