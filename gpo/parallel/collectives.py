@@ -107,13 +107,13 @@ def gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
-def reduce_metrics(metrics: dict[str, Tensor], op: Literal["mean", "sum"]) -> dict[str, Tensor]:
-    """Each 0-d tensor of ``metrics`` reduced over the ranks by one all-reduce of them stacked (``metrics`` itself when
+def sum_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each 0-d tensor of ``metrics`` summed over the ranks by one all-reduce of them stacked (``metrics`` itself when
     not distributed). Every rank must hold the same keys in the same order; a rank that does not is an error."""
     if not is_distributed() or not metrics:
         return metrics
     keys, stacked = _stacked(metrics)
-    values = reduce_over_ranks(stacked, "sum") / (world_size() if op == "mean" else 1)  # [K]
+    values = reduce_over_ranks(stacked, "sum")  # [K]
     return {key: value.to(metrics[key].dtype) for key, value in zip(keys, values, strict=True)}
 
 

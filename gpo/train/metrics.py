@@ -147,6 +147,6 @@ def publish_step(
     counts = count_metrics(stats.reward_errors, rollout.reward.device)
     if log:
         metrics = combine_statistics(collectives.gather_metrics(metrics))  # as over micro-batches: ranks are parts
-        counts = collectives.reduce_metrics(counts, "sum")
+        counts = collectives.sum_metrics(counts)
     metrics |= counts | step_metrics(step, step_adv, collector.rewards, collector.mixer.weights)
     publish(trainer, {**metrics, "reward": metrics["reward/mean"]}, log=log)

@@ -82,7 +82,7 @@ def test_without_a_process_group_every_collective_returns_its_input():
     assert collectives.reduce_over_ranks(x, "sum") is x and collectives.ddp_normaliser(x) is x
     assert collectives.mean_over_ranks(x) is x
     metrics = {"loss": torch.tensor(1.5)}
-    assert collectives.reduce_metrics(metrics, "mean") is metrics
+    assert collectives.sum_metrics(metrics) is metrics
     assert collectives.gather_objects("a") == ["a"]
     for rows, parts in ((7, 3), (10, 4), (12, 5), (8, 4), (3, 3)):  # tensor_split's split, as under DDP
         order = torch.arange(rows)
@@ -106,14 +106,14 @@ def reduce_worker(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     metrics = {"loss": torch.tensor(float(rank)), "count": torch.tensor(2.0 * rank + 1)}
-    result = {"mean": collectives.reduce_metrics(metrics, "mean"), "sum": collectives.reduce_metrics(metrics, "sum")}
+    result = {"sum": collectives.sum_metrics(metrics)}
     # rank 1's masks left no token in its gate's loss: its ratio statistics read 0; its entropy counts (2 tokens)
     stats = {LOSS_TOKENS: torch.tensor(6.0 - 6 * rank), MASK_TOKENS: torch.tensor(6.0 - 4 * rank),
              "ratio/min": torch.tensor(0.9 - 0.9 * rank), "ratio/mean": torch.tensor(1.0 - rank),
              "entropy": torch.tensor(1.0 + 3 * rank)}  # fmt: skip
     result["combined"] = combine_statistics(collectives.gather_metrics(stats))
     try:
-        collectives.reduce_metrics({"loss": torch.tensor(0.0)} if rank else metrics, "mean")
+        collectives.sum_metrics({"loss": torch.tensor(0.0)} if rank else metrics)
     except RuntimeError as error:
         result["mismatch"] = str(error)
     torch.save(result, f"{out}/rank{rank}.pt")
@@ -124,8 +124,7 @@ def test_metrics_reduce_over_two_processes_with_one_all_reduce_and_refuse_differ
     torch.multiprocessing.spawn(reduce_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        # loss 0 and 1: mean 0.5, sum 1; count 1 and 3: mean 2, sum 4
-        assert {k: float(v) for k, v in result["mean"].items()} == {"loss": 0.5, "count": 2.0}
+        # loss 0 and 1: sum 1; count 1 and 3: sum 4
         assert {k: float(v) for k, v in result["sum"].items()} == {"loss": 1.0, "count": 4.0}
         assert "every rank must log the same keys" in result["mismatch"]
         # the ranks combine as micro-batches do: a rank without loss tokens has no say in the statistics
