@@ -122,6 +122,18 @@ def test_a_slip_in_a_part_of_ones_own_names_where_it_was_raised(root, tmp_path, 
     assert "(raised at buggy_parts.py:6 in Buggy.__call__)" in err and "Traceback" not in err, err
 
 
+def test_an_error_of_gpos_own_callbacks_is_not_placed_in_the_users_code(monkeypatch):
+    """From a checkout (an editable install), gpo.callbacks' files lie under the working directory, outside gpo/."""
+    from gpo.callbacks import DynamicSampling
+    from gpo.cli.errors import raised_in_user_code
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(ValueError) as refused:
+        DynamicSampling(max_rounds=-1)
+    where = raised_in_user_code(refused.value)  # the user's call (here this test's), not the callback's own check
+    assert where.startswith("tests/test_cli.py:") and "dynamic_sampling.py" not in where, where
+
+
 def test_model_tokenizer_also_tokenises_the_prompts(root, tmp_path):
     from transformers import AutoTokenizer
 
@@ -171,7 +183,8 @@ model:
                      "model.optim.lr_schedule: cosin is not one of constant, linear, cosine; did you mean cosine?",
                      id="literal_choices"),
         pytest.param(("--model.algorithm=Custom", "--model.algorithm.advantage=gpo.algo.ClipGate"),
-                     "ClipGate is a gpo RatioGate, which this setting does not take.", id="part_of_another_kind"),
+                     "ClipGate is a gpo RatioGate, which this setting does not take; did you mean "
+                     "model.algorithm.gate?", id="part_of_another_kind"),
         pytest.param(("--model.algorithm=Custom", "--model.algorithm.aggregator=gpo.algo.LossAggregator"),
                      "LossAggregator is abstract: it does not implement normaliser, numerator.", id="abstract_part"),
         pytest.param(("--model.algorithm=Custom", "--model.algorithm.gate=gpo.algo.ClipGte"),

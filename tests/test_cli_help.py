@@ -1,6 +1,7 @@
 """What the ``gpo`` command shows and finds: the command list, ``gpo fit --help`` focused on gpo's settings with
 Lightning's one flag away, shipped configs by name, short errors, and the step-counting progress bar."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,80 @@ def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
     assert "give --model.algorithm.beta VALUE, or start from the preset's shipped config (--config dppo" in err, err
     err = fit_error(capsys, "--model.algorithm", "Custom", "--model.algorithm.gate", "DROGate")  # a part's setting
     assert "give --model.algorithm.gate.beta VALUE.\n" in err, err
+
+
+CUSTOM_PART = """model:
+  algorithm:
+    class_path: Custom
+    init_args:
+      {slot}:
+        class_path: {path}
+"""
+
+
+@pytest.mark.parametrize(
+    ("slot", "path", "instead"),
+    [
+        ("advantage", "gpo.algo.ClipGate", "ClipGate is a gpo RatioGate, which this setting does not take; did you "
+         "mean model.algorithm.gate?"),
+        ("aggregator", "gpo.algo.GroupNormAdvantage", "GroupNormAdvantage is a gpo AdvantageEstimator, which this "
+         "setting does not take; did you mean model.algorithm.advantage?"),
+    ],
+    ids=["gate_as_advantage", "advantage_as_aggregator"],
+)  # fmt: skip
+def test_a_part_in_another_parts_slot_names_the_slot_that_takes_it(tmp_path, capsys, slot, path, instead):
+    """As ``Custom(advantage=ClipGate())`` says in Python, whether the part is given in a YAML file or by a flag."""
+    bad = tmp_path / "slot.yaml"
+    bad.write_text(CUSTOM_PART.format(slot=slot, path=path))
+    err = fit_error(capsys, "--config", str(bad))
+    assert f"(set in {bad})\n{instead}\n" in err and len(err.splitlines()) <= 4, err
+    err = fit_error(capsys, "--model.algorithm", "Custom", f"--model.algorithm.{slot}", path)
+    assert f"\n{instead}\n" in err and len(err.splitlines()) <= 4, err
+
+
+MY_PARTS = """from gpo.algo import AdvantageEstimator
+
+
+class LOOMedianAdvantage(AdvantageEstimator):
+    def __call__(self, reward, group, mask):
+        return (reward - reward.median())[:, None] * mask
+"""
+
+
+@pytest.mark.parametrize(
+    ("slot", "path", "guess"),
+    [
+        ("gate", "gpo.algo.ClipGat", "did you mean gpo.algo.ClipGate?"),
+        ("advantage", "my_misspelt_parts.LOOMedianAdvantag", "did you mean my_misspelt_parts.LOOMedianAdvantage?"),
+    ],
+    ids=["gpo", "own_module"],
+)
+@pytest.mark.parametrize("init_args", ["", "        init_args: {}\n"], ids=["class_path", "with_init_args"])
+def test_a_misspelt_class_path_gets_the_closest_class_of_its_module(tmp_path, capsys, monkeypatch, slot, path, guess,
+                                                                    init_args):  # fmt: skip
+    monkeypatch.setattr("sys.path", list(sys.path))  # gpo.cli.run adds the working directory
+    (tmp_path / "my_misspelt_parts.py").write_text(MY_PARTS)
+    bad = tmp_path / "misspelt.yaml"
+    bad.write_text(CUSTOM_PART.format(slot=slot, path=path) + init_args)
+    err = fit_error(capsys, "--config", str(bad))
+    assert f"(set in {bad})\n{guess}\n" in err and len(err.splitlines()) <= 4, err
+    err = fit_error(capsys, "--model.algorithm", "Custom", f"--model.algorithm.{slot}", path)
+    assert f"\n{guess}\n" in err, err
+
+
+def test_a_misspelt_reward_is_one_line_with_the_closest_function_of_its_module(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.path", list(sys.path))  # gpo.cli.run adds the working directory
+    (tmp_path / "my_misspelt_rewards.py").write_text("def sorted_prefix(prompts, completions, **_):\n    return []\n")
+    says = (
+        "gpo fit: error: model.rewards: my_misspelt_rewards.sorted_prefx: module 'my_misspelt_rewards' has no "
+        "attribute 'sorted_prefx'; did you mean my_misspelt_rewards.sorted_prefix?\n"
+    )
+    err = fit_error(capsys, "--model.rewards", "[my_misspelt_rewards.sorted_prefx]")
+    assert err.startswith(says + "(GPO_TRACEBACK"), err
+    bad = tmp_path / "rewards.yaml"
+    bad.write_text("model:\n  rewards:\n    - my_misspelt_rewards.sorted_prefx\n")
+    err = fit_error(capsys, "--config", str(bad))
+    assert err.startswith(f"{says}(set in {bad})\n(GPO_TRACEBACK"), err
 
 
 def test_usage_names_the_gpo_command_however_it_was_started():

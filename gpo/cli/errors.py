@@ -14,7 +14,8 @@ import itertools
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,15 @@ _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]$", re.MULTILINE)  # a union's member
 _EXPECTED = re.compile(r"Expected a (.*?)(?:\. Got value|$)", re.MULTILINE)
 _IMPORT_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _NOT_A_CLASS = re.compile(r"Expected a path but ([\w.]+) either not accessible or invalid")
+_NOT_SUBCLASS = re.compile(r"Import path ([\w.]+) does not correspond to a subclass of")  # a class of another kind
+_NO_SUCH_CLASS = re.compile(r"Problem with given class_path '([\w.]+)':\s*module '[\w.]+' has no attribute")
+#: The ways jsonargparse names a class_path it did not take, its path first.
+_UNTAKEN_CLASS = (_NOT_A_CLASS, _NOT_SUBCLASS, _NO_SUCH_CLASS)
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+#: A function-typed setting (a reward) whose value is not one: jsonargparse's account, with the type's full text.
+_NOT_CALLABLE = re.compile(r"Type .+? expects a function or a callable class: (.+)\. Got value: (.+)")
+#: The class a nested setting belongs to, and the setting: ``class_path 'gpo.algo.Custom': Parser key "advantage"``.
+_OWNER = re.compile(r"Problem with given class_path '([\w.]+)':\s*Parser key \"(\w+)\"")
 _ABSTRACT_TYPE = re.compile(r"Expected an instantiatable class, but ([\w.]+) is abstract")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
@@ -140,7 +150,7 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         lines.extend(_hints(key, known))
     if key is not None and key.startswith("model.algorithm"):
         lines.extend(_algorithm_hints(key, message))
-    lines.extend(_class_hints(message))
+    lines.extend(_class_hints(message, key))
     return "\n".join([*lines, *moved])
 
 
@@ -238,7 +248,17 @@ def _first_reason(message: str) -> str:
     reasons = [
         line.strip(" -") for line in message.splitlines() if line.strip() and not line.strip(" -").startswith(noise)
     ]
-    return _CLASS.sub(r"\1", (reasons or [message.strip()])[0])
+    reason = _CLASS.sub(r"\1", (reasons or [message.strip()])[0])
+    not_callable = _NOT_CALLABLE.fullmatch(reason)
+    return _unresolved_callable(*not_callable.groups()) if not_callable else reason
+
+
+def _unresolved_callable(reason: str, value: str) -> str:
+    """A function or callable class (a reward) that ``value`` does not name: the path and why, with the closest name
+    in its module when the module lacks it (not jsonargparse's ``Type collections.abc.Callable[...]`` text)."""
+    missing = _NO_ATTRIBUTE.search(reason)
+    guess = _closest_in_module(*missing.groups(), callable) if missing else ""
+    return f"{value}: {reason}" + (f"; {guess}" if guess else "")
 
 
 def _yaml_problem(message: str, config_files: Iterable[str]) -> str:
@@ -294,35 +314,66 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
     return [guess] if guess else []
 
 
-def _class_hints(message: str) -> list[str]:
-    """Why a ``class_path`` was not taken: a misspelt class (the closest name in its module), an abstract class (the
-    methods it lacks), a class of another kind (the gpo part it is); or, when jsonargparse fell back to the setting's
-    abstract type, a class_path block whose keys it did not read."""
-    path = _NOT_A_CLASS.search(message)
-    if path is None:
+def _class_hints(message: str, key: str | None) -> list[str]:
+    """Why a ``class_path`` was not taken (for the setting ``key``): a misspelt class (the closest name in its
+    module), an abstract class (the methods it lacks), a class of another kind (the gpo part it is, and the setting
+    beside ``key`` that takes it); or, when jsonargparse fell back to the setting's abstract type, a class_path block
+    whose keys it did not read."""
+    found = next(filter(None, (pattern.search(message) for pattern in _UNTAKEN_CLASS)), None)
+    if found is None:
         abstract = _ABSTRACT_TYPE.search(message)
         return ["a class_path block takes class_path and init_args: check their spelling."] if abstract else []
-    module_name, _, name = path.group(1).rpartition(".")
+    path = found.group(1)
+    module_name, _, name = path.rpartition(".")
     if not module_name:  # a plain value where a class or settings belong: jsonargparse's own account says it
         return []
-    cls = _import(path.group(1))
+    cls = _import(path)
     if cls is None:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            return []
-        guess = did_you_mean(
-            name, [n for n in dir(module) if inspect.isclass(getattr(module, n))], f"{module_name}.{{}}"
-        )
+        guess = _closest_in_module(module_name, name, inspect.isclass)
         return [guess] if guess else []
     if not inspect.isclass(cls):
-        return [f"{path.group(1)} is not a class."]
+        return [f"{path} is not a class."]
     if inspect.isabstract(cls):
         return [f"{cls.__name__} is abstract: it does not implement {', '.join(sorted(cls.__abstractmethods__))}."]
     from gpo.algo.state import PartState  # every part's base, not a kind: imported on this error's path only
 
     kinds = [base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("gpo.") and base is not PartState]
-    return [f"{cls.__name__} is a gpo {kinds[-1]}, which this setting does not take."] if kinds else []
+    if not kinds:
+        return []
+    slot = _setting_taking(cls, key, message) if key is not None else None
+    instead = f"; did you mean {slot}?" if slot is not None else "."
+    return [f"{cls.__name__} is a gpo {kinds[-1]}, which this setting does not take{instead}"]
+
+
+def _setting_taking(cls: type, key: str, message: str) -> str | None:
+    """The setting beside ``key`` whose type takes ``cls``, as written on the command line: ``model.algorithm.gate``
+    for a gate given to ``Custom``'s ``advantage``. Read from the annotations of the constructor of the class that
+    holds ``key`` (the innermost ``class_path`` of ``message``); None when no setting of that class takes it."""
+    group, _, name = key.rpartition(".")
+    owners = [path for path, setting in _OWNER.findall(message) if setting == name]
+    owner = _import(owners[-1]) if owners else None
+    if not inspect.isclass(owner):
+        return None
+    try:
+        hints = typing.get_type_hints(owner.__init__)
+    except (NameError, TypeError):  # annotations that do not resolve: nothing to read them by
+        return None
+    taking = [
+        setting
+        for setting, hint in hints.items()
+        if any(inspect.isclass(kind) and issubclass(cls, kind) for kind in typing.get_args(hint) or (hint,))
+    ]
+    return f"{group}.{taking[0]}".replace(".init_args.", ".") if taking else None
+
+
+def _closest_in_module(module_name: str, name: str, wanted: Callable[[Any], bool]) -> str:
+    """``did you mean MODULE.NAME?`` for the member of module ``module_name`` most like ``name`` among those
+    ``wanted`` accepts (classes, callables); ``""`` when the module cannot be imported or holds nothing close."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return ""
+    return did_you_mean(name, [member for member, _ in inspect.getmembers(module, wanted)], f"{module_name}.{{}}")
 
 
 def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
@@ -372,7 +423,8 @@ def _parameters(owner: Any) -> list[str]:
 
 def _file_holding(key: str, config_files: Iterable[str], value: str | None = None) -> str | None:
     """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message; with ``value``
-    (the rejected value as jsonargparse prints it), only a file that sets it to that value."""
+    (the rejected value as jsonargparse prints it), only a file that sets it to that value (or, for a list such as
+    ``model.rewards``, to a list holding it)."""
     found = None
     for name in config_files:
         try:
@@ -381,7 +433,8 @@ def _file_holding(key: str, config_files: Iterable[str], value: str | None = Non
             continue
         for parts in (key.replace(".init_args.", ".").split("."), key.split(".")):
             held = _lookup(tree, parts)
-            if held is not _MISSING and (value is None or str(held) == value):
+            items = held if isinstance(held, list) else []  # jsonargparse names the one item of a list it refused
+            if held is not _MISSING and (value is None or value in map(str, [held, *items])):
                 found = name
     return found
 
@@ -417,32 +470,38 @@ def refusing_class(error: BaseException) -> str | None:
 
 def is_configured_part(cls: type) -> bool:
     """Whether ``cls`` is gpo's or the user's own (a module under the working directory), not a library's."""
-    if cls.__module__ == "gpo" or cls.__module__.startswith("gpo."):
+    if is_gpos_module(cls.__module__):
         return True
     source = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return source is not None and is_users_file(source)
 
 
 def raised_in_user_code(error: BaseException) -> str | None:
-    """Where the first error of ``error``'s chain was raised in the user's own code (``is_users_file``), as
-    ``parts.py:9 in Mine.__call__``: the deepest such frame, so a slip in a part or reward of one's own is found
-    without a traceback. None when no frame of it is the user's."""
+    """Where the first error of ``error``'s chain was raised in the user's own code (a module outside gpo, from a
+    file of theirs: ``is_users_file``), as ``parts.py:9 in Mine.__call__``: the deepest such frame, so a slip in a
+    part or reward of one's own is found without a traceback. None when no frame of it is the user's."""
     while (error.__cause__ or error.__context__) is not None:
         error = error.__cause__ or error.__context__
     where, trace = None, error.__traceback__
     while trace is not None:
-        code = trace.tb_frame.f_code
-        if is_users_file(code.co_filename):
-            where = f"{os.path.relpath(code.co_filename)}:{trace.tb_lineno} in {code.co_qualname}"
+        frame, code = trace.tb_frame, trace.tb_frame.f_code
+        if not is_gpos_module(frame.f_globals.get("__name__", "")) and is_users_file(code.co_filename):
+            function = code.co_qualname if sys.version_info >= (3, 11) else code.co_name  # co_qualname: 3.11 on
+            where = f"{os.path.relpath(code.co_filename)}:{trace.tb_lineno} in {function}"
         trace = trace.tb_next
     return where
 
 
+def is_gpos_module(name: str) -> bool:
+    """A module of gpo's own (its callbacks too, wherever an editable install keeps their files)."""
+    return name == "gpo" or name.startswith("gpo.")
+
+
 def is_users_file(filename: str) -> bool:
-    """A Python file under the working directory that is neither gpo's nor an installed package's (a compiled
-    module's frames name a bare ``.pyx`` file, which is not)."""
-    path, gpo_package = Path(filename).resolve(), Path(__file__).resolve().parents[1]
-    installed = "site-packages" in path.parts or path.is_relative_to(gpo_package)
+    """A Python file under the working directory that no installed package holds (a compiled module's frames name
+    a bare ``.pyx`` file, which is not one)."""
+    path = Path(filename).resolve()
+    installed = "site-packages" in path.parts
     return path.suffix == ".py" and path.is_file() and path.is_relative_to(Path.cwd()) and not installed
 
 
