@@ -214,8 +214,12 @@ class GPOModule(RolloutSource, LightningModule):
                                      "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
-            return  # load_from_checkpoint, or an evaluation of a checkpoint (under any rewards): the weights alone
+        if self._trainer is None:  # load_from_checkpoint: the weights alone
+            return
+        if self.trainer.state.fn != TrainerFn.FITTING:  # an evaluation of the checkpoint's weights (under any rewards)
+            preflight.check_evaluated_weights(self.learner.sampler_shares_weights, self.trainer.callbacks,
+                                              str(self.trainer.ckpt_path))  # fmt: skip
+            return
         state = checkpoint.get("gpo", {})
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         warn_changed_settings(state.get("settings", {}), describe_settings(self))

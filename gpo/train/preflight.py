@@ -367,6 +367,19 @@ def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequen
         )
 
 
+def check_evaluated_weights(sampler_shares_weights: bool, callbacks: Sequence[Any], ckpt_path: str) -> None:
+    """Evaluating a checkpoint with an engine that holds its own copy of the weights (vLLM) needs ``VLLMWeightSync``
+    to push the checkpoint's weights into it: without, the engine scores the weights it was started with."""
+    from gpo.callbacks import VLLMWeightSync
+
+    if not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks):
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: model.engine holds its own copy of the weights and trainer.callbacks has no "
+            "VLLMWeightSync, so the engine would score the weights it started with, not the checkpoint's. Add "
+            "gpo.callbacks.VLLMWeightSync to trainer.callbacks (the config the run was fitted with has it)."
+        )
+
+
 def check_run(module, trainer) -> None:
     """Checks of a ``GPOModule`` against its trainer and data, before any sampling: tokenizer, router inputs, reward
     columns, context length, minibatch split, precision, strategy."""

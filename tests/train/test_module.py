@@ -458,3 +458,19 @@ def test_a_teacher_read_by_a_gate_alone_is_accepted_and_scored(workspace):
     trainer = quiet_trainer(1)
     trainer.fit(module, prompts(model, data, 2))
     assert trainer.global_step == 1
+
+
+class OwnWeights(HFEngine):
+    """Stands for a vLLM engine: it holds a copy of the weights of its own (here, in name only)."""
+
+    shares_policy_weights = False
+
+
+def test_evaluating_a_checkpoint_with_an_engine_of_its_own_weights_and_no_sync_is_refused(workspace, tmp_path):
+    model, data = workspace
+    trainer = quiet_trainer(1)
+    trainer.fit(tiny_module(model), prompts(model, data, 2))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    module = tiny_module(model, engine=OwnWeights(sampling=Sampling(max_new_tokens=4)))
+    with pytest.raises(ValueError, match=r"no VLLMWeightSync, so the engine would score the weights it started with"):
+        quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4), ckpt_path=tmp_path / "trained.ckpt")
