@@ -212,12 +212,16 @@ class RolloutEngine(ABC):
         episodic: the engine plays environment episodes: its rollouts carry ``turn_rewards`` and ``turn_index``, which
             per-turn credit (``model.step_rewards``) needs. Its ``generate`` also takes ``tasks``, the prompts' text
             (the dataset's prompt column, before a chat template), which it hands to the environment.
+        draws_global_generator: its sampling draws from torch's process-wide generator whatever the seed it is
+            given (vLLM in this process does): on a pipeline's sampler thread those draws interleave with the
+            trainer's own (dropout) at times that vary from run to run.
     """
 
     sampling: Sampling
     shares_policy_weights: bool = False
     serves_all_ranks: bool = False
     episodic: bool = False
+    draws_global_generator: bool = False
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:  # noqa: B027
         """Called once by the trainer with the policy it trains; engines with their own weights may ignore it."""

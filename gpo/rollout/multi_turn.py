@@ -108,6 +108,10 @@ class MultiTurnEngine(RolloutEngine):
     def serves_all_ranks(self) -> bool:
         return self.engine.serves_all_ranks
 
+    @property
+    def draws_global_generator(self) -> bool:
+        return self.engine.draws_global_generator
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """The wrapped engine's weights (``VLLMWeightSync`` keeps a vLLM engine inside this one in step)."""
         self.engine.update_weights(named_tensors)

@@ -113,6 +113,8 @@ class VLLMEngine(RolloutEngine):
         seed: the engine's seed (used when ``generate`` gets no seed).
     """
 
+    draws_global_generator = True  # vLLM's sampler reads torch's CPU generator even with per-request seeds
+
     shares_policy_weights = False
 
     def __init__(

@@ -91,6 +91,7 @@ def assemble(
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)
     preflight.check_step_rewards(step_rewards, engine, parts.gate)
     sampler_shares_weights = engine.shares_policy_weights  # HFEngine's worker copy runs the trainer's code too
+    draws_global_generator = engine.draws_global_generator  # the engine's own: the pipeline wraps it below
     pipeline = None
     if max_off_policy_steps:
         pipeline = RolloutPipeline(engine, max_off_policy_steps, sampler_threads)
@@ -100,6 +101,8 @@ def assemble(
     preflight.check_distillation(distill, teacher, "teacher_logp" in objective.requires)
     loaded = isinstance(policy, torch.nn.Module)
     preflight.warn_if_lora_unused(trainer_mode, lora, loaded and is_peft(policy))
+    dropout = (lora or LoraSettings()).dropout if trainer_mode != "full" else 0.0
+    preflight.warn_if_pipeline_irreproducible(max_off_policy_steps, draws_global_generator, dropout)
     model = (prepared_policy(policy, trainer_mode, lora) if loaded
              else load_policy(policy, dtype=dtype, mode=trainer_mode, lora=lora))  # fmt: skip
     model.train()  # at rest in train mode, as Lightning expects; scoring and sampling switch to eval

@@ -322,6 +322,18 @@ def check_trainer_loop(gradient_clip_val: float | None, accumulate_grad_batches:
         )
 
 
+def warn_if_pipeline_irreproducible(max_off_policy_steps: int, draws_global_generator: bool, dropout: float) -> None:
+    """A pipelined engine that draws from torch's process-wide generator (in-process vLLM) takes draws from the
+    trainer's dropout at times that vary: two runs of one seed then differ (shown with LoRA's dropout 0.1)."""
+    if max_off_policy_steps and draws_global_generator and dropout > 0:
+        log.warning(
+            "model.max_off_policy_steps=%d with an in-process vLLM engine and model.lora.dropout=%g: vLLM's sampling "
+            "on the sampler thread draws from torch's process-wide generator, which the trainer's dropout draws from "
+            "too, at times that vary, so two runs with one seed differ. Set model.lora.dropout: 0, or sample with "
+            "gpo.rollout.VLLMServerEngine, for reproducible runs.", max_off_policy_steps, dropout,
+        )  # fmt: skip
+
+
 def warn_if_lora_unused(trainer_mode: str, lora: Any, given_peft: bool) -> None:
     """LoRA settings that make no adapter (``trainer_mode: full``, or a policy given as a peft model, whose own adapter
     trains): say so rather than ignore them."""

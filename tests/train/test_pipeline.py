@@ -416,3 +416,21 @@ def test_a_process_forked_after_the_server_started_starts_a_server_of_its_own():
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+class GlobalDraws(HFEngine):
+    """Stands for an in-process vLLM engine: its sampling draws from torch's process-wide generator."""
+
+    draws_global_generator = True
+
+
+@pytest.mark.parametrize(("dropout", "warned"), [(0.1, True), (0.0, False)])
+def test_a_pipelined_engine_drawing_the_global_generator_with_dropout_is_warned_about(workspace, caplog, dropout,
+                                                                                         warned):  # fmt: skip
+    from gpo.models.loading import LoraSettings
+
+    model, _ = workspace
+    with caplog.at_level("WARNING", logger="gpo.train.preflight"):
+        tiny_module(model, engine=GlobalDraws(sampling=Sampling(max_new_tokens=4)), max_off_policy_steps=1,
+                    trainer_mode="lora", lora=LoraSettings(dropout=dropout))  # fmt: skip
+    assert ("two runs with one seed differ" in caplog.text) == warned, caplog.text
