@@ -156,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is not None and folder == self.folder:
             return
         check_single_process()
-        self.llm = None  # release a previous engine before the next one claims its memory
+        self.close()  # release a previous engine before the next one claims its memory
         with self._isolated():
             from vllm import LLM  # importing vLLM sets environment variables too
 
@@ -173,6 +173,14 @@ class VLLMEngine(RolloutEngine):
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)
         self.folder = folder
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (its KV cache above all), which dropping the last reference
+        to it does not: vLLM's engine core holds on to it. A later ``setup`` builds it again. For a Python session
+        that trains once and goes on, or builds another engine."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.folder = None, None
 
     def generate(
         self,
