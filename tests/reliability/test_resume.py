@@ -187,17 +187,6 @@ def test_sigterm_checkpoints_the_finished_step_exits_143_and_resumes_exactly(con
     assert_same_run(load(tmp_path), uninterrupted)
 
 
-def test_ctrl_c_checkpoints_the_finished_step_stops_and_resumes_exactly(config, tmp_path, uninterrupted):
-    """Lightning alone stops where Ctrl-C lands, mid-step, without a checkpoint."""
-    if lag(config) == 0:
-        pytest.skip("shown on the pipelined run, whose checkpoint also holds the rollouts collected ahead")
-    code, step, saved_at_the_signal = interrupt_after_first_checkpoint(config, tmp_path, signal.SIGINT)
-    assert code == 1 and saved_at_the_signal  # Lightning's exit code at Ctrl-C; its last periodic checkpoint is older
-    assert step % 4 == 0 and 8 <= step < 36  # stopped after a whole batch, with its checkpoint
-    resume_and_check_only_the_rest_trains(config, tmp_path, uninterrupted)
-    assert_same_run(load(tmp_path), uninterrupted)
-
-
 def test_a_finished_run_extended_to_more_steps_equals_one_run_of_that_length(config, tmp_path):
     constant = "--model.optim.lr_schedule=constant"  # a decaying schedule depends on max_steps by design
     fit_in_process(config, tmp_path / "whole", constant)
