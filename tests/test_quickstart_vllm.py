@@ -36,6 +36,8 @@ def test_quickstart_with_vllm_rollouts_raises_the_reward_like_the_transformers_e
     first, last = first_and_last_reward("quickstart_vllm.yaml", model, data, tmp_path / "vllm")
     printed = capfd.readouterr()
     assert "Traceback" not in printed.out + printed.err  # vLLM's chat-template warmup (no tokenizer) is not shown
+    for every_update in ("Reloading and processing weights took", "Successfully reset prefix cache"):
+        assert every_update not in printed.out + printed.err  # two lines at each weight push
     _, hf_last = first_and_last_reward("quickstart.yaml", model, data, tmp_path / "hf")
     # a random start scores about 0.01 (1 position in 3 right by chance 1 time in ~96); measured here over 120
     # steps: vLLM 0.016 -> 0.256, transformers engine 0.018 -> 0.238

@@ -170,6 +170,9 @@ class VLLMEngine(RolloutEngine):
             # each weight update: a rotary embedding's cache (RotaryEmbedding, Llama3RotaryEmbedding, ...) is computed,
             # not loaded, and vLLM puts it back itself
             drop_messages("vllm.model_executor.model_loader.reload.layerwise", r"\w*RotaryEmbedding: Failed to load")
+            # and two lines at every update (VLLMWeightSync logs the pushes' count and time itself)
+            drop_messages("vllm.model_executor.model_loader.reload.inplace", "Reloading and processing weights took")
+            drop_messages("vllm.v1.core.block_pool", "Successfully reset prefix cache")
             if self.engine_args["enable_sleep_mode"]:
                 self.llm.sleep(level=1)
         self.folder = folder
