@@ -365,12 +365,18 @@ def check_step_rewards(step_rewards: Any, engine: Any, gate: RatioGate) -> None:
         )  # fmt: skip
 
 
+def engine_left_unsynced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> bool:
+    """Whether the engine holds its own copy of the weights (vLLM) and no ``VLLMWeightSync`` pushes the policy's
+    into it: it samples from the weights it was started with."""
+    from gpo.callbacks import VLLMWeightSync
+
+    return not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks)
+
+
 def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> None:
     """An engine with its own copy of the weights (vLLM) samples from the initial policy all run unless
     ``VLLMWeightSync`` pushes the trained weights into it."""
-    from gpo.callbacks import VLLMWeightSync
-
-    if not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks):
+    if engine_left_unsynced(sampler_shares_weights, callbacks):
         log.warning(
             "model.engine holds its own copy of the weights and trainer.callbacks has no VLLMWeightSync: unless "
             "something else updates them, it samples from the initial policy for the whole run while the trainer's "
@@ -382,9 +388,7 @@ def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequen
 def check_evaluated_weights(sampler_shares_weights: bool, callbacks: Sequence[Any], ckpt_path: str) -> None:
     """Evaluating a checkpoint with an engine that holds its own copy of the weights (vLLM) needs ``VLLMWeightSync``
     to push the checkpoint's weights into it: without, the engine scores the weights it was started with."""
-    from gpo.callbacks import VLLMWeightSync
-
-    if not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks):
+    if engine_left_unsynced(sampler_shares_weights, callbacks):
         raise ValueError(
             f"--ckpt_path {ckpt_path}: model.engine holds its own copy of the weights and trainer.callbacks has no "
             "VLLMWeightSync, so the engine would score the weights it started with, not the checkpoint's. Add "
@@ -422,7 +426,7 @@ def check_run(module, trainer) -> None:
             trainer.max_steps, updates, -(-trainer.max_steps // updates) * updates, trainer.max_steps,
         )  # fmt: skip
     if trainer is not None:
-        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero:
+        if fitting and trainer.is_global_zero:
             warn_if_sampler_never_synced(module.learner.sampler_shares_weights, trainer.callbacks)
         check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy), module.model.dtype)
         fsdp.check_strategy(trainer.strategy)
