@@ -13,6 +13,7 @@ from torch import Tensor
 from torchmetrics.aggregation import MaxMetric
 from typing_extensions import override
 
+from gpo.algo.masked import masked_mean
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback, require_source
 from gpo.train.metrics import logged_step, publish_values
@@ -47,7 +48,8 @@ class RolloutMonitor(RolloutCallback):
     (no entropy source, completions shorter than ``ngram``) is not logged and makes that step non-collapsing.
 
     Entropy: with ``compute_entropy=True``, one no-grad forward pass of the module's ``scorer`` over the rollout
-    (costly: about a third of a training pass); otherwise the metric named ``entropy_metric`` the module logged
+    (costly: about a third of a training pass), averaged over the tokens that train (``loss_mask``: a multi-turn
+    rollout's environment tokens are left out); otherwise the metric named ``entropy_metric`` the module logged
     during the step (GPOModule logs ``entropy``, the token entropy of its training pass: exact for one update per
     step, an average over the updates otherwise).
 
@@ -130,7 +132,7 @@ class RolloutMonitor(RolloutCallback):
         )
         if self.compute_entropy:
             scores = module.scorer.rollout_scores(rollout, entropy=True, batch_size=self.entropy_batch_size)
-            stats["entropy"] = masked_mean(scores.entropy, rollout.completion_mask)
+            stats["entropy"] = float(masked_mean(scores.entropy, rollout.loss_mask))  # the policy's own tokens
         self._pending = stats
 
     @override
@@ -209,12 +211,6 @@ class RolloutMonitor(RolloutCallback):
 def _peak_metrics() -> dict[str, MaxMetric]:
     # Each process keeps its own peaks: no collective call hides in compute() or in a checkpoint's state_dict.
     return {name: MaxMetric(sync_on_compute=False) for name in COLLAPSE_SIGNALS}
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> float:
-    """Mean of ``values[B, T]`` over the positions where ``mask`` is 1."""
-    mask = mask.to(values.dtype)
-    return float((values * mask).sum() / mask.sum().clamp_min(1))
 
 
 def length_stats(rollout: Rollout) -> dict[str, float]:

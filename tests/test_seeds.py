@@ -90,3 +90,13 @@ def test_no_two_purposes_share_a_stream():
     assert not any(drawn in epochs for drawn in extra_passes)
     purposes = [("rollout", 0, 0, 0), ("data/order", 0), ("data/val_split",), ("data/draws", 0), ("data/workers",)]
     assert len({stream_seed(name, 3, *rest) for name, *rest in purposes}) == len(purposes)
+
+
+def test_extra_draws_from_an_iterable_dataset_go_on_through_it_then_start_again():
+    class Numbers(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    draws = PromptDraws(torch.utils.data.DataLoader(Numbers(), batch_size=2), seed=3)
+    assert [next(draws).tolist() for _ in range(5)] == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+    assert draws.drawn == 5

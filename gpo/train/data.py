@@ -391,7 +391,8 @@ class PromptDraws:
 
     Pass ``k`` is shuffled by ``stream_seed("data/draws", seed, k)`` alone (never a training epoch's order) and
     ``drawn`` (the count so far) is checkpointed, so a resumed run draws the same batches (for map-style datasets;
-    an iterable dataset is simply iterated again). Under DDP each rank draws from its own share of each pass.
+    an iterable dataset is iterated on, and again whenever it runs out, from its start after a resume). Under DDP
+    each rank draws from its own share of each pass.
 
     Args:
         loader: the training loader whose rows and batching the draws reuse.
@@ -408,17 +409,18 @@ class PromptDraws:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        passes, offset = divmod(self.drawn, self.per_pass or 1)
+        self.drawn += 1
+        if self.per_pass is None:  # an iterable dataset: iterated on, and again whenever it runs out
+            batch = next(self._batches, None) if self._batches is not None else None
+            if batch is None:
+                self._batches = iter(self.loader)
+                batch = next(self._batches)
+            return batch
+        passes, offset = divmod(self.drawn - 1, self.per_pass)
         if self._batches is None or offset == 0:
             seed = stream_seed("data/draws", self.seed, passes)
-            extra = reshuffled(self.loader, seed) if self.per_pass else self.loader
-            self._batches = itertools.islice(iter(extra), offset, None)
-        self.drawn += 1
-        try:
-            return next(self._batches)
-        except StopIteration:  # an iterable dataset ran out: start it again
-            self._batches = iter(self.loader)
-            return next(self._batches)
+            self._batches = itertools.islice(iter(reshuffled(self.loader, seed)), offset, None)
+        return next(self._batches)
 
 
 def batches_per_pass(loader: DataLoader) -> int | None:

@@ -191,6 +191,9 @@ class GPOModule(RolloutSource, LightningModule):
         for frozen in self._frozen_models():
             frozen.to(self.device)
 
+    def on_validation_start(self) -> None:
+        self.collector.device = self.device  # ``validate`` calls no fit hook
+
     def _frozen_models(self) -> list[PreTrainedModel]:
         """The frozen reference and teacher, where the run has them (held by the scorer, out of the children)."""
         teacher = self.learner.teacher.model if self.learner.teacher is not None else None

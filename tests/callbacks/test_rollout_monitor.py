@@ -90,6 +90,16 @@ def test_statistics_of_a_hand_worked_rollout():
         assert logged[key] == pytest.approx(value), key
 
 
+def test_entropy_is_the_policys_own_tokens_only():
+    """Multi-turn rollouts hold environment tokens in the completion (``completion_mask`` 1, ``loss_mask`` 0): the
+    policy never sampled them, and the training ``entropy`` metric leaves them out too."""
+    rollout = make_rollout(IDS, MASK, GROUP, [1.0, 1.0, 0.0, 1.0])
+    rollout.loss_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]])  # 0: observations
+    entropy = torch.tensor([[1.0, 1.0, 50.0, 50.0], [2.0, 2.0, 50.0, 50.0], [3.0, 3.0, 3.0, 99.0], [0.0, 50, 50, 4]])
+    logged = run_step(RolloutMonitor(compute_entropy=True), rollout, token_entropy=entropy)
+    assert logged["monitor/entropy"] == pytest.approx((2 * 1 + 2 * 2 + 3 * 3 + 0 + 4) / 9)
+
+
 @pytest.mark.parametrize(
     ("n", "expected"),
     [

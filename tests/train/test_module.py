@@ -361,6 +361,15 @@ def test_the_held_out_reward_is_the_rewards_weighted_sum_whatever_the_mixer(work
         assert got[f"val/reward_{kind}"] == pytest.approx(expected, abs=1e-6) and expected >= 0.5, got
 
 
+def test_validate_collects_its_rollouts_on_the_modules_device(workspace):
+    """``validate`` calls no fit hook: its rollouts stayed where the collector was built (the CPU, on a GPU run)."""
+    model, data = workspace
+    module = tiny_module(model)
+    module.collector.device = torch.device("meta")  # stands for "not the module's device"
+    quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4))
+    assert module.collector.device == module.device
+
+
 RESET_SEEDS: list[int] = []
 
 
