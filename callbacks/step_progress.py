@@ -36,7 +36,7 @@ class StepProgressBar(TQDMProgressBar):
     """
 
     def __init__(self, refresh_rate: int = 1) -> None:
-        super().__init__(refresh_rate=refresh_rate)  # one bar for the whole run: none is left behind per epoch
+        super().__init__(refresh_rate=refresh_rate)
         self._redrawn_at = -math.inf  # time.monotonic() of the last redraw
 
     @override

@@ -101,9 +101,9 @@ def score_tokens(
 class TokenScorer:
     """Scores the completion tokens of rollouts with the policy or its reference, at the sampling temperature.
 
-    Passes over a whole rollout (``policy``, ``reference``, ``rollout_scores``) run without gradient and in eval
-    mode (no dropout): the old-policy, reference and router inputs of a step, an engine's sampler log-probs, the
-    monitors' entropy. ``train_scores`` is the gradient pass, in train mode. The reference is a frozen copy when
+    Passes over a whole rollout (``policy_logp``, ``reference_logp``, ``rollout_scores``) run without gradient and
+    in eval mode (no dropout): the old-policy, reference and router inputs of a step, an engine's sampler log-probs,
+    the monitors' entropy. ``train_scores`` is the gradient pass, in train mode. The reference is a frozen copy when
     one is given, else the policy with its LoRA adapter switched off (a LoRA run needs no copy).
 
     Args:

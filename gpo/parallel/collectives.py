@@ -56,9 +56,10 @@ def every_rank_holds(count: int, needed: int, device: torch.device | str = "cpu"
 
 def minibatch_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     """Where a step's ``rows`` rows split into ``parts`` minibatches, as ``(start, stop)`` positions: sizes differing
-    by at most one, as ``tensor_split``, so a step takes exactly ``parts`` optimiser steps whatever its row count
-    (one per row when there are fewer rows than ``parts``). Under DDP each rank splits its own rows this way (it holds
-    at least ``parts``: ``every_rank_holds``), and the ranks' minibatch ``k`` form the global minibatch ``k``."""
+    by at most one, as ``tensor_split``: ``parts`` optimiser steps, or one per row when there are fewer rows than
+    ``parts`` (a single process trains such a step; under DDP it is skipped). Under DDP each rank splits its own
+    rows this way (it holds at least ``parts``: ``every_rank_holds``), and the ranks' minibatch ``k`` form the
+    global minibatch ``k``."""
     size, extra = divmod(rows, parts)
     stops = list(itertools.accumulate(size + (k < extra) for k in range(min(parts, rows))))
     return list(zip([0, *stops], stops, strict=False))  # each minibatch starts where the one before stops

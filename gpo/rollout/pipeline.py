@@ -25,7 +25,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
 from gpo.rollout.collector import CollectionStats
-from gpo.rollout.multi_turn import MultiTurnEngine
 from gpo.rollout.worker import ProcessEngine, autocast_as, autocast_state
 
 
@@ -185,7 +184,7 @@ class RolloutPipeline:
             raise ValueError(f"model.max_off_policy_steps={lag} must be >= 0 (0: sample, then train, in turn).")
         if sampler_threads is not None and sampler_threads < 1:
             raise ValueError(f"model.sampler_threads={sampler_threads} must be >= 1, or null for half the threads.")
-        if isinstance(engine, MultiTurnEngine) and engine.shares_policy_weights:
+        if engine.episodic and engine.shares_policy_weights:
             raise ValueError(
                 f"model.max_off_policy_steps={lag} with a MultiTurnEngine over HFEngine is not supported: use a vLLM "
                 "engine inside the MultiTurnEngine, or set model.max_off_policy_steps: 0."

@@ -316,8 +316,8 @@ class EpochOrder(DistributedSampler):
     rank's share (once); ``len`` stays the whole share, as Lightning's loop expects of a resumed loader.
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True, *, rank: int = 0, world_size: int = 1) -> None:
-        super().__init__(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    def __init__(self, size: int, seed: int, *, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         self.size, self._skip = size, (0, 0)
 
     def resume(self, epoch: int, rows_done: int) -> None:
@@ -325,8 +325,6 @@ class EpochOrder(DistributedSampler):
 
     def order(self, epoch: int) -> list[int]:
         """The whole epoch's permutation (every rank's rows)."""
-        if not self.shuffle:
-            return list(range(self.size))
         return torch.randperm(self.size, generator=stream_generator("data/order", self.seed, epoch)).tolist()
 
     def __iter__(self):

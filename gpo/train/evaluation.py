@@ -60,10 +60,10 @@ class Evaluation:
         check_temperature_and_top_p(1.0 if self.temperature is None else self.temperature,
                                     1.0 if self.top_p is None else self.top_p, "model.evaluation")  # fmt: skip
 
-    def sampling(self, engine: Sampling) -> Sampling:
+    def sampling(self, engine_sampling: Sampling) -> Sampling:
         """The engine's sampling with this evaluation's temperature and top-p where they are set."""
         changes = {"temperature": self.temperature, "top_p": self.top_p}
-        return replace(engine, **{k: v for k, v in changes.items() if v is not None})
+        return replace(engine_sampling, **{k: v for k, v in changes.items() if v is not None})
 
 
 def evaluate(collector: Collector, batch: dict[str, Any], batch_idx: int, settings: Evaluation) -> dict[str, Tensor]:

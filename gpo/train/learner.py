@@ -206,9 +206,10 @@ class Learner:
         if old is not None:  # None: one on-policy update, whose old log-probs are the gradient pass's own, detached
             inputs["old_logp"] = old
         if train_old is not None and rollout.logp is not None:
-            metrics = mismatch_metrics(train_old, rollout.logp, mask)
-            if self.correction is not None:
+            if self.correction is not None:  # its metrics include the mismatch's
                 inputs["weight"], metrics = self.correction(train_old, rollout.logp, mask)
+            else:
+                metrics = mismatch_metrics(train_old, rollout.logp, mask)
         if "ref_logp" in requires:
             inputs["ref_logp"] = self.scorer.reference_logp(rollout)
         if "teacher_logp" in requires:
@@ -295,11 +296,10 @@ class Learner:
 
 
 class Rows(NamedTuple):
-    """Some of a step's rows: how to index them, their completion width and how many there are."""
+    """Some of a step's rows: how to index them and their completion width."""
 
     index: slice | Tensor  # a slice (rows in order: views, no copies) or row indices on the step's device
     width: int  # the longest completion among them (at least 1): all-padding columns are not scored
-    count: int
 
 
 @dataclass
@@ -316,10 +316,10 @@ class StepBatch:
     def rows(self, order: Tensor | None, start: int, stop: int) -> Rows:
         """The rows at positions ``start:stop`` of ``order`` (a CPU permutation; None: the rows in order)."""
         if order is None:
-            return Rows(slice(start, stop), max([1, *self.lengths[start:stop]]), stop - start)
+            return Rows(slice(start, stop), max([1, *self.lengths[start:stop]]))
         picked = order[start:stop]
         width = max([1, *(self.lengths[row] for row in picked.tolist())])
-        return Rows(picked.to(self.mask.device), width, stop - start)
+        return Rows(picked.to(self.mask.device), width)
 
 
 def mean(values: list[Tensor]) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from lightning import Trainer
@@ -13,7 +14,9 @@ from gpo.algo.objective import combine_statistics
 from gpo.parallel import collectives
 from gpo.rewards.runner import RewardFn, reward_name
 from gpo.rollout.base import Rollout
-from gpo.rollout.collector import Collector
+
+if TYPE_CHECKING:  # gpo.callbacks imports this file: the collector (and transformers) for annotations only
+    from gpo.rollout.collector import Collector
 
 
 def step_metrics(

@@ -434,3 +434,12 @@ def test_a_pipelined_engine_drawing_the_global_generator_with_dropout_is_warned_
         tiny_module(model, engine=GlobalDraws(sampling=Sampling(max_new_tokens=4)), max_off_policy_steps=1,
                     trainer_mode="lora", lora=LoraSettings(dropout=dropout))  # fmt: skip
     assert ("two runs with one seed differ" in caplog.text) == warned, caplog.text
+
+
+def test_a_multi_turn_engine_over_the_trained_policy_is_refused_and_over_its_own_weights_taken():
+    from gpo.envs import NumberGuess
+    from gpo.rollout.multi_turn import MultiTurnEngine
+
+    with pytest.raises(ValueError, match=r"max_off_policy_steps=1 with a MultiTurnEngine over HFEngine"):
+        RolloutPipeline(MultiTurnEngine(engine=HFEngine(), env=NumberGuess()), lag=1, sampler_threads=None)
+    RolloutPipeline(MultiTurnEngine(engine=OwnWeights(), env=NumberGuess()), lag=1, sampler_threads=None).close()
