@@ -7,18 +7,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from typing_extensions import override
 
 from gpo.algo.masked import masked_mean
 from gpo.models.weights import checkpoint_weights, full_parameters
-from gpo.train.hooks import require_source
+from gpo.train.hooks import WeightSync, require_source
 from gpo.train.metrics import log_due, publish
 
 DEFAULT_PROBE_PROMPTS = ("Sort 3 1 2:", "The capital of France is", "1 + 1 =", "def f(x):")
 
 
-class VLLMWeightSync(Callback):
+class VLLMWeightSync(WeightSync):
     """Keeps a rollout engine's own copy of the weights in step with the policy, and checks it.
 
     The engines that hold their own copy are ``VLLMEngine`` and ``VLLMServerEngine``; the check

@@ -110,6 +110,12 @@ def run_rollout_hooks(trainer: Trainer, pl_module: LightningModule, rollout: Rol
     return rollout
 
 
+class WeightSync(Callback):
+    """A callback that pushes the trained policy's weights into an engine holding its own copy of them (a vLLM
+    engine) before it samples, gpo's being ``gpo.callbacks.VLLMWeightSync``. Without one among the trainer's
+    callbacks, fitting with such an engine warns and evaluating a checkpoint with it is refused."""
+
+
 class RolloutSource:
     """What gpo's callbacks may read from the LightningModule they run with; mix it into yours and set what the
     callbacks you use read (``GPOModule`` has all of it):

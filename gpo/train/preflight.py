@@ -13,6 +13,7 @@ import torch
 from gpo.algo.gates import NoGate, RatioGate
 from gpo.models.loading import check_pretrained_folder
 from gpo.rewards.runner import reward_name
+from gpo.train.hooks import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -368,9 +369,7 @@ def check_step_rewards(step_rewards: Any, engine: Any, gate: RatioGate) -> None:
 def engine_left_unsynced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> bool:
     """Whether the engine holds its own copy of the weights (vLLM) and no ``VLLMWeightSync`` pushes the policy's
     into it: it samples from the weights it was started with."""
-    from gpo.callbacks import VLLMWeightSync
-
-    return not sampler_shares_weights and not any(isinstance(callback, VLLMWeightSync) for callback in callbacks)
+    return not sampler_shares_weights and not any(isinstance(callback, WeightSync) for callback in callbacks)
 
 
 def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> None:
