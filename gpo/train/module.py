@@ -161,12 +161,14 @@ class GPOModule(RolloutSource, LightningModule):
     # ---- set-up ------------------------------------------------------------------------------------------------
 
     def configure_callbacks(self) -> list[Callback]:
-        """``StopFeedOnError``. Also the earliest hook Lightning calls with the trainer attached, before it checks
-        the loop settings itself, so that its automatic-optimisation settings get gpo's fix (``check_trainer_loop``)
-        rather than Lightning's advice to switch to automatic optimisation."""
+        """``StopFeedOnError`` (once: a trainer that fits or validates again holds it already, and Lightning would
+        announce that it replaces it). Also the earliest hook Lightning calls with the trainer attached, before it
+        checks the loop settings itself, so that its automatic-optimisation settings get gpo's fix
+        (``check_trainer_loop``) rather than Lightning's advice to switch to automatic optimisation."""
         if self.trainer.state.fn == TrainerFn.FITTING:  # Lightning checks them only then
             preflight.check_trainer_loop(self.trainer.gradient_clip_val, self.trainer.accumulate_grad_batches)
-        return [StopFeedOnError()]
+        attached = any(isinstance(callback, StopFeedOnError) for callback in self.trainer.callbacks)
+        return [] if attached else [StopFeedOnError()]
 
     def setup(self, stage: str) -> None:
         preflight.check_run(self, self._trainer)

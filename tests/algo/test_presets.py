@@ -84,6 +84,8 @@ def test_ppo_clip_layers_on_the_reinforce_family(algorithm):
     gate = algorithm(ppo_clip=PPOClip()).parts(64).gate  # seed 000's use_ppo_clip: 0.4 / 0.5 by default
     assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high) == (0.4, 0.5)
     assert isinstance(algorithm().parts(64).gate, NoGate)
+    with pytest.raises(TypeError, match=r"ppo_clip=True takes gpo.algo.PPOClip\(...\).*ppo_clip: \{\}"):
+        algorithm(ppo_clip=True)  # the natural guess in Python
 
 
 def test_each_preset_reads_only_its_own_settings():

@@ -13,6 +13,7 @@ from gpo.algo.distillation import TeacherKL
 from gpo.rewards import positional_match
 from gpo.rewards.runner import RewardErrors
 from gpo.rollout import HFEngine, Sampling
+from gpo.train.data import collate
 from gpo.train.module import GPOModule
 from gpo.train.optimization import Optimization
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
@@ -368,6 +369,27 @@ def test_validate_collects_its_rollouts_on_the_modules_device(workspace):
     module.collector.device = torch.device("meta")  # stands for "not the module's device"
     quiet_trainer(1).validate(module, prompts(model, data, 2, val_size=4))
     assert module.collector.device == module.device
+
+
+def test_a_trainer_used_again_is_not_told_that_gpos_own_callback_replaces_itself(workspace, caplog):
+    model, data = workspace
+    module, trainer = tiny_module(model), quiet_trainer(1)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            trainer.validate(module, prompts(model, data, 2, val_size=4))
+    assert "will override existing callbacks" not in caplog.text
+
+
+def test_batches_of_another_shape_are_refused_naming_what_they_lack(workspace):
+    """A data module of one's own whose batches hold texts alone failed deep in sampling with KeyError: 'prompt_ids'."""
+    model, _ = workspace
+    rows = [{"prompt": "12=", "answer": "12"}] * 4
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    with pytest.raises(ValueError, match=r"lacks \['prompt_ids', 'fields'\] \(it has \['answer', 'prompt'\]\)"):
+        quiet_trainer(1).fit(tiny_module(model), train_dataloaders=loader)
+    tokenized = [row | {"prompt_ids": [5, 6, 7]} for row in rows]  # README: any loader of such rows, collated by gpo
+    loader = torch.utils.data.DataLoader(tokenized, batch_size=2, collate_fn=collate)
+    quiet_trainer(2).fit(tiny_module(model), train_dataloaders=loader)
 
 
 RESET_SEEDS: list[int] = []

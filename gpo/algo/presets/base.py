@@ -111,6 +111,11 @@ class PPOClip:
 
 def gate_for(ppo_clip: PPOClip | None) -> RatioGate:
     """The policy-gradient family's gate: none (the plain policy gradient), or PPO clipping when asked."""
+    if ppo_clip is not None and not isinstance(ppo_clip, PPOClip):
+        raise TypeError(
+            f"ppo_clip={ppo_clip!r:.40} takes gpo.algo.PPOClip(...) (its clip_low, clip_high, dual_clip) or None; "
+            "in YAML: ppo_clip: {} for its defaults."
+        )
     return NoGate() if ppo_clip is None else ppo_clip.gate()
 
 
