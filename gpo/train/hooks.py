@@ -11,6 +11,7 @@ members it reads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning import Callback, LightningModule, Trainer
@@ -85,8 +86,20 @@ HOOK_CALLS = {
     "on_rollout_end": "gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after scoring",
 }
 ROLLOUT_HOOKS = tuple(HOOK_CALLS)
+
 #: Optimiser steps after which a rollout hook that never ran is warned about.
 HOOK_CHECK_STEPS = 10
+
+
+def warn_unreached_hooks(callbacks: Sequence[Callback]) -> None:
+    """Warn about each callback that defines a rollout hook without being a ``RolloutCallback``: only those are run."""
+    for callback in callbacks:
+        defined = [name for name in ROLLOUT_HOOKS if callable(getattr(callback, name, None))]
+        if defined and not isinstance(callback, RolloutCallback):
+            rank_zero_warn(
+                f"{type(callback).__name__} defines {' and '.join(defined)} but is a plain Callback, so it is never "
+                "called: subclass gpo.train.hooks.RolloutCallback instead."
+            )
 
 
 def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from gpo.train.metrics import log_due, publish, publish_step
 from gpo.train.optimization import Optimization
 from gpo.train.run_state import (
     check_same_run,
+    check_same_weights,
     describe_run,
     describe_settings,
     load_part_states,
@@ -219,13 +220,14 @@ class GPOModule(RolloutSource, LightningModule):
                                      "objective": self.learner.objective.state_dict()}  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._trainer is None:  # load_from_checkpoint: the weights alone
-            return
-        if self.trainer.state.fn != TrainerFn.FITTING:  # an evaluation of the checkpoint's weights (under any rewards)
-            preflight.check_evaluated_weights(self.learner.sampler_shares_weights, self.trainer.callbacks,
-                                              str(self.trainer.ckpt_path))  # fmt: skip
-            return
         state = checkpoint.get("gpo", {})
+        if self._trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            # the weights alone: load_from_checkpoint, or an evaluation of them (under any rewards)
+            check_same_weights(state.get("run", {}), describe_run(self))
+            if self._trainer is not None:
+                preflight.check_evaluated_weights(self.learner.sampler_shares_weights, self.trainer.callbacks,
+                                                  str(self.trainer.ckpt_path))  # fmt: skip
+            return
         check_same_run(state.get("run", {}), describe_run(self), str(self.trainer.ckpt_path))
         warn_changed_settings(state.get("settings", {}), describe_settings(self))
         self._restored, self.learner.nonfinite.streak = restored_run_state(state)

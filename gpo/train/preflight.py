@@ -13,7 +13,7 @@ import torch
 from gpo.algo.gates import NoGate, RatioGate
 from gpo.models.loading import check_pretrained_folder
 from gpo.rewards.runner import reward_name
-from gpo.train.hooks import WeightSync
+from gpo.train.hooks import WeightSync, warn_unreached_hooks
 
 log = logging.getLogger(__name__)
 
@@ -427,6 +427,7 @@ def check_run(module, trainer) -> None:
     if trainer is not None:
         if fitting and trainer.is_global_zero:
             warn_if_sampler_never_synced(module.learner.sampler_shares_weights, trainer.callbacks)
+            warn_unreached_hooks(trainer.callbacks)
         check_precision(trainer.precision, fsdp.is_sharded(trainer.strategy), module.model.dtype)
         fsdp.check_strategy(trainer.strategy)
         fsdp.check_sampler_process(trainer.strategy, module.feed.sampler_process)

@@ -103,6 +103,22 @@ def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: s
         )
 
 
+#: What in ``describe_run`` decides the weights' names and shapes.
+WEIGHTS_KEYS = ("model", "trainer_mode")
+
+
+def check_same_weights(saved: dict[str, str], current: dict[str, str]) -> None:
+    """Refuse to load a checkpoint's weights into a policy of another shape (a LoRA run's into a full one, another
+    model), naming each difference, before Lightning lists every missing and unexpected parameter."""
+    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now"
+                   for key in changed_keys(saved, current) if key in WEIGHTS_KEYS]  # fmt: skip
+    if differences:
+        raise ValueError(
+            f"the checkpoint's weights belong to another policy ({'; '.join(differences)}): give GPOModule the "
+            "policy, trainer_mode and lora settings of the run that wrote it."
+        )
+
+
 #: Settings whose value a resume takes from the checkpoint's optimiser state, whatever the configuration says now.
 RESTORED_FROM_CHECKPOINT = ("model.optim.lr", "model.optim.weight_decay")
 #: Optimisation settings that change neither the updates nor what is sampled (memory; when to give up).

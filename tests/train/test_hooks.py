@@ -14,7 +14,13 @@ from gpo.models.scorer import TokenScorer
 from gpo.rollout import Rollout, Sampling
 from gpo.tasks import make_task
 from gpo.testing import save_tiny_model
-from gpo.train.hooks import RolloutCallback, RolloutSource, run_prompt_hooks, run_rollout_hooks
+from gpo.train.hooks import (
+    RolloutCallback,
+    RolloutSource,
+    run_prompt_hooks,
+    run_rollout_hooks,
+    warn_unreached_hooks,
+)
 from tests.tiny import quiet_trainer
 from tests.vllm_engines import needs_vllm, tiny_vllm_engine
 
@@ -109,6 +115,19 @@ def test_a_hook_the_module_never_runs_is_warned_about_once_ten_optimiser_steps_i
         "BothHooks.on_rollout_end has not run in 10 optimiser steps, so it does nothing: "
         "PromptHooksOnly.training_step must call gpo.train.hooks.run_rollout_hooks(trainer, module, rollout) after "
         "scoring (GPOModule does)."
+    ]
+
+
+def test_a_plain_callback_defining_a_rollout_hook_is_told_it_is_never_called(recwarn):
+    class Plain(L.Callback):
+        def on_rollout_end(self, trainer, pl_module, rollout):
+            return rollout
+
+    warn_unreached_hooks([Plain(), BothHooks(), L.Callback()])
+    messages = [str(w.message) for w in recwarn]
+    assert messages == [
+        "Plain defines on_rollout_end but is a plain Callback, so it is never called: subclass "
+        "gpo.train.hooks.RolloutCallback instead."
     ]
 
 

@@ -321,6 +321,11 @@ def test_load_from_checkpoint_rebuilds_the_module_with_its_trained_weights(works
     for (name, trained), again in zip(module.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(trained, again), name
     assert loaded._restored == {}  # the run's random state and draws stay out of a later fresh fit
+    # into a LoRA policy: one line naming the difference, not Lightning's list of every missing parameter
+    wrong_shape = r"another policy \(model: .*; trainer_mode: full in the checkpoint, lora now\)"
+    with pytest.raises(ValueError, match=wrong_shape):
+        GPOModule.load_from_checkpoint(tmp_path / "two.ckpt", policy=model, rewards=[positional_match],
+                                       trainer_mode="lora", **kwargs)  # fmt: skip
 
 
 @pytest.mark.parametrize(
