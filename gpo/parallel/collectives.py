@@ -151,6 +151,7 @@ def gather_step(rollout: Rollout, mask: Tensor) -> tuple[dict[str, Tensor], slic
         "lengths": rollout.lengths,  # [B]
         "truncated": rollout.truncated.float(),  # [B]
         "scores": rollout.scores,  # [B, K]
+        **({"reward_kl": rollout.reward_kl} if rollout.reward_kl is not None else {}),  # [B]
     }
     gathered, rows = {}, slice(0, len(rollout))
     for key, value in local.items():

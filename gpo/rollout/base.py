@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -52,9 +52,6 @@ def check_temperature_and_top_p(temperature: float, top_p: float, where: str) ->
         raise ValueError(f"{where}.top_p={top_p} must be in (0, 1] (1 disables it).")
 
 
-OPTIONAL_TENSORS = ("logp", "scores", "reward", "turn_rewards", "turn_index", "version")  # Rollout's, None or [B, ...]
-
-
 @dataclass
 class Rollout:
     """``B`` completions (``n`` per prompt, rows of a group adjacent) and everything known about them.
@@ -86,6 +83,9 @@ class Rollout:
     # Pipelined rollouts (``max_off_policy_steps`` >= 1): the policy version that sampled each row, counted in
     # training steps taken before its weights were pushed to the sampler; None: sampled by the current policy.
     version: Tensor | None = None  # [B] long
+    # A KL penalty placed in the reward: each row's KL estimate to the reference summed over its policy tokens
+    # (``reward`` holds ``-beta`` times it).
+    reward_kl: Tensor | None = None  # [B] float32
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -107,34 +107,23 @@ class Rollout:
         return self.completion_mask.sum(-1)  # [B]
 
     def select(self, rows: Tensor | list[int]) -> Rollout:
-        """The rollout restricted to ``rows`` (in that order)."""
+        """The rollout restricted to ``rows`` (in that order): every per-row field, tensor, list or dict of lists."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.completion_ids.device)
         picked = index.tolist()
-        return replace(
-            self,
-            prompt_ids=self.prompt_ids[index],
-            prompt_mask=self.prompt_mask[index],
-            completion_ids=self.completion_ids[index],
-            completion_mask=self.completion_mask[index],
-            truncated=self.truncated[index],
-            group=self.group[index],
-            logp=None if self.logp is None else self.logp[index],
-            prompts=[self.prompts[i] for i in picked] if self.prompts else [],
-            completions=[self.completions[i] for i in picked] if self.completions else [],
-            fields={key: [values[i] for i in picked] for key, values in self.fields.items()},
-            scores=None if self.scores is None else self.scores[index],
-            reward=None if self.reward is None else self.reward[index],
-            loss_mask=self.loss_mask[index],
-            turn_rewards=None if self.turn_rewards is None else self.turn_rewards[index],
-            turn_index=None if self.turn_index is None else self.turn_index[index],
-            version=None if self.version is None else self.version[index],
-        )
+
+        def pick(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                return value[index]
+            if isinstance(value, dict):
+                return {key: pick(values) for key, values in value.items()}
+            return [value[i] for i in picked] if value else value  # a list, or None
+
+        return replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
     def to(self, device: torch.device | str) -> Rollout:
-        required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated", "group")
-        move = {name: getattr(self, name).to(device) for name in required}
-        optional = {name: getattr(self, name) for name in OPTIONAL_TENSORS}
-        return replace(self, **move, **{k: None if v is None else v.to(device) for k, v in optional.items()})
+        """The rollout with every tensor on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: value.to(device) for name, value in moved.items() if isinstance(value, Tensor)})
 
     @property
     def num_groups(self) -> int:
@@ -192,6 +181,7 @@ def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
         turn_rewards=cat_optional("turn_rewards", _pad_right(max_turns, float("nan"))),
         turn_index=cat_optional("turn_index", _pad_right(width_t, -1)),
         version=cat_optional("version"),
+        reward_kl=cat_optional("reward_kl"),
     )
 
 

@@ -151,7 +151,8 @@ class Learner:
         policy's tokens (``loss_mask``; a multi-turn episode's observations are context it did not choose)."""
         if self.reward_kl is not None:
             logp, ref_logp = self.scorer.policy_logp(rollout), self.scorer.reference_logp(rollout)
-            rollout.reward = rollout.reward + self.reward_kl.reward_penalty(logp, ref_logp, rollout.loss_mask)
+            penalty = self.reward_kl.reward_penalty(logp, ref_logp, rollout.loss_mask)  # [B]
+            rollout.reward, rollout.reward_kl = rollout.reward + penalty, penalty / -self.reward_kl.beta
         return rollout
 
     def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor]:

@@ -28,7 +28,7 @@ def step_metrics(
     ``reward/mean`` and ``reward/std`` are those of the reward functions' weighted sum (``weights``: the mixer's,
     None: all 1), whatever the mixer: a mixer that normalises within groups (GDPO) averages 0 by construction.
     ``reward/mixed_mean`` is the mean of what the advantages were computed from (the mixer's output, plus a KL
-    penalty placed in the reward)."""
+    penalty placed in the reward, whose rows' summed KL estimates average ``kl/sequence_mean``)."""
     lengths, scores, mask = step["lengths"].float(), step["scores"], step["mask"]
     reward = weighted_sum(scores, weights)  # [B]
     rows = torch.stack([reward, step["reward"].float(), lengths, step["truncated"].float()])  # [4, B]
@@ -44,6 +44,8 @@ def step_metrics(
         "adv/mean": token_means[0],
         "adv/abs_mean": token_means[1],
     }
+    if "reward_kl" in step:
+        metrics["kl/sequence_mean"] = step["reward_kl"].mean()
     column_means = scores.mean(0)  # [K]
     for k, fn in enumerate(rewards):
         metrics[f"reward/{reward_name(fn)}"] = column_means[k]

@@ -187,7 +187,11 @@ def test_kl_entropy_and_correction_paths_run_and_log(workspace, placement):
     trainer = quiet_trainer(4)
     trainer.fit(module, prompts(model, data, 2))
     logged = trainer.callback_metrics
-    assert ("kl/mean" in logged) == (placement == "loss")
+    assert ("kl/mean" in logged) == (placement == "loss") and ("kl/sequence_mean" in logged) == (placement == "reward")
+    if placement == "reward":  # the reward holds -beta times each completion's summed KL, which is logged
+        assert logged["kl/sequence_mean"] > 0
+        expected = logged["reward/mean"] - 0.1 * logged["kl/sequence_mean"]
+        assert logged["reward/mixed_mean"].item() == pytest.approx(expected.item(), abs=1e-6)
     assert "correction/weight_mean" in logged and torch.isfinite(logged["loss"])
 
 
