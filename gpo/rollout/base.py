@@ -130,6 +130,11 @@ class Rollout:
         return int(torch.unique(self.group).numel())
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """What rollouts are padded with (``RolloutEngine.generate``): the tokenizer's pad token, else its EOS."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
 def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
     """One rollout from several: prompts re-padded on the left, completions on the right (with id 0 under a zero
     mask), group ids renumbered so groups of different parts stay distinct."""

@@ -13,7 +13,7 @@ from gpo.logfilters import drop_messages
 from gpo.models.loading import training_mode
 from gpo.models.scorer import TokenScorer
 from gpo.parallel.fsdp import sampling_mode
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
 
 #: The settings of a transformers generation config that reshape the distribution ``generate`` samples from (or change
 #: what it returns), at the value that leaves the policy's own softmax at the sampling temperature, the distribution
@@ -105,8 +105,7 @@ class HFEngine(RolloutEngine):
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return self.eos_id if pad is None else pad
+        return pad_token_id(self.tokenizer)
 
     def generate(
         self,

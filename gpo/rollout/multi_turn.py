@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.envs.base import Environment, Episodes, LocalEpisodes, Step
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
 from gpo.rollout.hf import grouped_prompts
 from gpo.rollout.token_lists import prompt_seeds
 
@@ -223,7 +223,7 @@ class MultiTurnEngine(RolloutEngine):
             self._observe(episode, step.observation)
 
     def _rollout(self, prompt_ids: list[list[int]], n: int, episodes: list[Episode], logprobs: bool) -> Rollout:
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad_id = pad_token_id(self.tokenizer)
         ids, mask, group = grouped_prompts(prompt_ids, n, pad_id)  # [B, P], [B, P], [B]
         size, width = len(episodes), max(1, max(len(e.ids) for e in episodes))
         completion = torch.full((size, width), pad_id, dtype=torch.long)  # [B, T]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpo.rollout.base import Rollout
+from gpo.rollout.base import Rollout, Sampling
 from gpo.rollout.hf import grouped_prompts
 
 
@@ -15,6 +15,34 @@ def prompt_seeds(seed: int | None, count: int) -> list[int | None]:
         return [None] * count
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2**62, (count,), generator=generator).tolist()
+
+
+def vllm_request(
+    sampling: Sampling, n: int, *, greedy: bool, seed: int | None, logprobs: bool, eos_id: int
+) -> dict[str, object]:
+    """The sampling settings of one vLLM request for ``n`` samples of a prompt, under the names both vLLM's
+    ``SamplingParams`` and its server's ``/v1/completions`` take. Greedy asks for one sample (vLLM refuses ``n > 1``
+    with greedy decoding): ``greedy_copies`` says how many times the caller repeats it.
+
+    ``ignore_eos``: vLLM would stop at every EOS id of the checkpoint's ``generation_config.json`` (Qwen2.5's instruct
+    models list ``<|endoftext|>`` beside ``<|im_end|>``); HFEngine and the trainer's masks end a completion at the
+    tokenizer's EOS alone, the one stop token."""
+    return {
+        "n": 1 if greedy else n,
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_tokens": sampling.max_new_tokens,
+        "ignore_eos": True,
+        "stop_token_ids": [eos_id],
+        "logprobs": 0 if logprobs else None,
+        "seed": seed,
+    }
+
+
+def greedy_copies(n: int, greedy: bool) -> int:
+    """How many times each sample vLLM returned stands in the rollout (``vllm_request``)."""
+    return n if greedy else 1
 
 
 def rollout_from_token_lists(

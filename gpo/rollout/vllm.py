@@ -14,8 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.logfilters import drop_messages
 from gpo.models.loading import unwrap
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling
-from gpo.rollout.token_lists import prompt_seeds, rollout_from_token_lists
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
+from gpo.rollout.token_lists import greedy_copies, prompt_seeds, rollout_from_token_lists, vllm_request
 
 VLLMDType = Literal["auto", "float32", "bfloat16", "float16"]
 INSTALL_HINT = (
@@ -151,7 +151,7 @@ class VLLMEngine(RolloutEngine):
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Build the engine from the policy's folder (once: a later call with the same folder keeps it)."""
         self.eos_id = tokenizer.eos_token_id
-        self.pad_id = self.eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.pad_id = pad_token_id(tokenizer)
         folder = policy_folder(policy)
         if self.llm is not None and folder == self.folder:
             return
@@ -200,21 +200,10 @@ class VLLMEngine(RolloutEngine):
 
         llm = self._require_llm()
         s = sampling or self.sampling
+        # (The checkpoint's penalties never reach the samples: every call passes its own settings.)
         params = [
             SamplingParams(
-                n=1 if greedy else n,  # vLLM refuses n > 1 with greedy decoding: the samples are copied below
-                temperature=0.0 if greedy else s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                max_tokens=s.max_new_tokens,
-                # ignore_eos: vLLM would stop at every EOS id of the checkpoint's generation_config.json (Qwen2.5's
-                # instruct models list <|endoftext|> beside <|im_end|>); HFEngine and the trainer's masks end a
-                # completion at the tokenizer's EOS alone. (The checkpoint's penalties never reach the samples:
-                # every call passes its own settings.)
-                ignore_eos=True,
-                stop_token_ids=[self.eos_id],
-                logprobs=0 if logprobs else None,
-                seed=prompt_seed,
+                **vllm_request(s, n, greedy=greedy, seed=prompt_seed, logprobs=logprobs, eos_id=self.eos_id),
                 detokenize=False,
             )
             for prompt_seed in prompt_seeds(seed, len(prompt_ids))
@@ -222,7 +211,7 @@ class VLLMEngine(RolloutEngine):
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         with self._isolated(), self._awake():
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index) * (n if greedy else 1)]
+        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index) * greedy_copies(n, greedy)]
         tokens = [list(c.token_ids) for c in samples]
         logps = (
             [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)] for c in samples]

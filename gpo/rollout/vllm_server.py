@@ -12,8 +12,8 @@ from typing import Literal
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling
-from gpo.rollout.token_lists import prompt_seeds, rollout_from_token_lists
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
+from gpo.rollout.token_lists import greedy_copies, prompt_seeds, rollout_from_token_lists, vllm_request
 from gpo.rollout.vllm_client import VLLMServerError, VLLMServers
 
 WeightUpdate = Literal["file"]
@@ -115,7 +115,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def setup(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         self.eos_id = tokenizer.eos_token_id
-        self.pad_id = self.eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.pad_id = pad_token_id(tokenizer)
         self.servers.wait_until_healthy()
 
     def generate(
@@ -146,7 +146,7 @@ class VLLMServerEngine(RolloutEngine):
         tokens, logps = [], [] if logprobs else None
         for server, answer in zip(servers, self.servers.on_servers(calls), strict=True):
             try:
-                for choice in sorted(answer["choices"], key=lambda c: c["index"]) * (n if greedy else 1):
+                for choice in sorted(answer["choices"], key=lambda c: c["index"]) * greedy_copies(n, greedy):
                     tokens.append(list(choice["token_ids"]))
                     if logps is not None:
                         logps.append(list(choice["logprobs"]["token_logprobs"]))
@@ -163,18 +163,8 @@ class VLLMServerEngine(RolloutEngine):
     ) -> dict:
         return {
             "prompt": list(prompt),
-            "n": 1 if greedy else n,  # vLLM refuses n > 1 with greedy decoding: the samples are copied
-            "max_tokens": s.max_new_tokens,
-            "temperature": 0.0 if greedy else s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
+            **vllm_request(s, n, greedy=greedy, seed=seed, logprobs=logprobs, eos_id=self.eos_id),
             **NEUTRAL_SERVER_DEFAULTS,
-            "seed": seed,
-            "logprobs": 0 if logprobs else None,
-            # ignore_eos: the server would stop at every EOS id of the checkpoint's generation_config.json (Qwen2.5's
-            # instruct models list <|endoftext|> beside <|im_end|>); the stop list holds the tokenizer's EOS alone.
-            "ignore_eos": True,
-            "stop_token_ids": [self.eos_id],
             "return_token_ids": True,
         }
 
