@@ -134,8 +134,8 @@ class PromptDataModule(LightningDataModule):
             ``max_prompt_length`` tokens and logs how many were cut.
         chat_template: wrap prompts in the tokenizer's chat template as a user turn; None applies it when the
             tokenizer has one.
-        seed: seed of the data's streams (each epoch's order, the validation split, extra draws), each hashed from
-            it with its purpose (``gpo.seeds``); None: the run's seed (``seed_everything``), so one seed sets the
+        seed: seed of the data's streams (each epoch's order, the validation split; extra draws beyond a step's
+            batch follow ``model.seed``, as the rollouts they become), each hashed from it with its purpose (``gpo.seeds``); None: the run's seed (``seed_everything``), so one seed sets the
             whole experiment.
     """
 

@@ -99,7 +99,8 @@ class GPOModule(RolloutSource, LightningModule):
         evaluation: held-out evaluation settings.
         reward_errors: what a reward function that raises, hangs or returns bad values does to the run: ``fail``
             (default, with the function and prompt named) or ``score`` the samples concerned as a fixed value.
-        seed: seed of the rollout sampling (see ``gpo.rollout.collector.Collector``); None: the run's seed
+        seed: seed of the rollout sampling (see ``gpo.rollout.collector.Collector``) and of the extra prompt draws
+            of ``DynamicSampling`` (``gpo.train.data.PromptDraws``); None: the run's seed
             (``seed_everything``), which then sets the whole experiment.
         max_off_policy_steps: how many training steps the sampler may run ahead of the learner (prime-rl's name).
             0: sample, then train, in turn. ``s >= 1``: the rollouts of the next ``s`` batches are sampled and scored
