@@ -197,3 +197,12 @@ def test_maxrl_group_mean_at_or_below_eps_gives_zero(rewards, why):
 def test_maxrl_refuses_a_negative_eps():
     with pytest.raises(ValueError, match="eps=-1"):
         MeanScaledAdvantage(eps=-1)
+
+
+def test_group_norm_default_eps_is_1e_6_so_small_but_real_spreads_are_normalised():
+    """GRPO A_i = (r_i - mean_g) / std_g; the default eps (1e-6) zeroes only spreads at or below 1e-6."""
+    # group 0: rewards (0, 1e-4): population std 5e-5 > 1e-6 -> (-1, +1); group 1: (0.3, 0.3 + 1e-7): std 5e-8 -> 0
+    reward = torch.tensor([0.0, 1e-4, 0.3, 0.3 + 1e-7], dtype=torch.float64)
+    adv = GroupNormAdvantage()(reward, torch.tensor([0, 0, 1, 1]), torch.ones(4, 1))[:, 0]
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0], abs=1e-6)
+    assert GroupNormAdvantage().eps == 1e-6

@@ -51,3 +51,17 @@ def test_mismatch_metrics_hand_worked():
 def test_invalid_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutCorrection(**kwargs)
+
+
+def test_mis_keeps_a_ratio_exactly_at_the_cap():
+    """MIS weight w 1[w <= C] (inclusive): with C = 1, on-policy tokens (w = e^0 = 1 exactly) keep weight 1."""
+    train = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    rollout = torch.tensor([[-1.0, -2.5, -0.25]], dtype=torch.float64)  # w = 1 (at the cap), e^0.5 (out), e^-0.25
+    weight, _ = RolloutCorrection(mode="mis", level="token", cap=1.0)(train, rollout, torch.ones(1, 3))
+    expected = torch.tensor([[1.0, 0.0, math.exp(-0.25)]], dtype=torch.float64)
+    torch.testing.assert_close(weight, expected)
+    # sequence level: log-ratios sum to 0 -> w = 1 = C: the whole sequence kept with weight 1
+    train_seq = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    rollout_seq = torch.tensor([[-1.5, -1.5]], dtype=torch.float64)  # +0.5 - 0.5 = 0 exactly
+    weight, _ = RolloutCorrection(mode="mis", level="sequence", cap=1.0)(train_seq, rollout_seq, torch.ones(1, 2))
+    torch.testing.assert_close(weight, torch.ones(1, 2, dtype=torch.float64))

@@ -270,3 +270,33 @@ def test_nan_on_padding_never_leaks(gate, batch):
 def test_divergence_gate_refuses_unknown_mode():
     with pytest.raises(ValueError, match="'binary_tv', 'binary_kl', 'topk_tv', 'topk_kl'"):
         DivergenceMaskGate(mode="tv", threshold=0.1)
+
+
+def test_vespo_zero_mean_per_token_advantage_takes_the_non_negative_kernel():
+    """VESPO: phi(W) = W^k exp(lambda (1 - W)) with (k_pos, lambda_pos) where mean_t A_t >= 0, a mean of 0 included."""
+    # one sequence, two tokens, per-token advantages (+1, -1): sequence mean exactly 0 -> the (k_pos, lambda_pos) kernel
+    # log W = 0.3 - 0.1 = 0.2; phi = e^(2 * 0.2) exp(3 (1 - e^0.2)) (the negative kernel: e^0.6 exp(2 (1 - e^0.2)))
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    logp = (old + torch.tensor([[0.3, -0.1]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    loss, _ = VESPOGate(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)(logp, old, adv, torch.ones(1, 2))
+    w = math.exp(0.2)
+    phi = w**2 * math.exp(3 * (1 - w))
+    # loss_t = -phi A_t log pi(o_t); gradient -phi A_t (phi is a constant)
+    expected = [-phi * 1.0 * logp[0, 0].item(), -phi * -1.0 * logp[0, 1].item()]
+    torch.testing.assert_close(loss.detach(), torch.tensor([expected], dtype=torch.float64))
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    torch.testing.assert_close(g, torch.tensor([[-phi, phi]], dtype=torch.float64))
+
+
+def test_dppo_keeps_a_token_whose_divergence_equals_the_threshold():
+    """DPPO: M_t = 0 only if D_t > delta (strict) and the update pushes out; D_t == delta keeps -A_t r_t."""
+    # pi = 0.5, pi_old = 0.25 (exact in binary): binary TV = |0.5 - 0.25| = 0.25 == delta; r = 2, A = 1 pushes out
+    old = torch.tensor([[0.25]], dtype=torch.float64).log()
+    logp = torch.tensor([[0.5]], dtype=torch.float64).log().requires_grad_(True)
+    gate = DivergenceMaskGate(mode="binary_tv", threshold=0.25)
+    loss, metrics = gate(logp, old, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert gate.divergence(logp.detach(), old, None, None).item() == 0.25  # the tie is exact
+    assert loss.item() == -2.0 and metrics["dppo/masked_frac"].item() == 0
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    assert g.item() == -2.0  # d(-A r)/d logp = -A r

@@ -234,3 +234,24 @@ def test_masks_say_whether_they_read_the_current_policy():
 def test_invalid_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_second_moment_mask_bound_is_inclusive_when_the_rest_mean_equals_it_exactly():
+    """M2PO cut: fewest largest d^2 dropped so that mean_kept d^2 <= bound (inclusive, the documented departure)."""
+    # d = 1, 0.5, 0.5 (exact in binary): d^2 = 1, 0.25, 0.25. Dropping the d = 1 token leaves mean (0.25 + 0.25) / 2
+    # = 0.25 == bound: inclusive keeps the other two. A strict "<" finds no kept set at all and drops all three.
+    rollout = f64([[-1.0, -1.0, -1.0]])
+    train = rollout + f64([[1.0, 0.5, -0.5]])
+    keep, metrics = SecondMomentMask(bound=0.25)(f64([[1, 1, 1]]), train_logp=train, rollout_logp=rollout)
+    assert keep.tolist() == [[False, True, True]]
+    assert metrics["mask/m2_kept"].item() == 0.25
+    assert metrics["mask/m2_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_mismatch_band_default_is_icepops_half_to_five():
+    """IcePop band by default: keep iff 0.5 <= pi_train / pi_rollout <= 5 (the docstring's and TRL's [0.5, 5])."""
+    # ratios 0.45 (out of [0.5, 5], but inside a looser [0.4, 5]), 0.55 (in), 4.9 (in), 5.2 (out)
+    rollout = f64([[-2.0] * 4])
+    train = rollout + f64([[0.45, 0.55, 4.9, 5.2]]).log()
+    keep, _ = MismatchBandMask()(f64([[1, 1, 1, 1]]), train_logp=train, rollout_logp=rollout)
+    assert keep.tolist() == [[False, True, True, False]]

@@ -64,3 +64,12 @@ def test_bad_settings_name_the_choices():
         StepRewards(mode="dense")
     with pytest.raises(ValueError, match="beta=-1"):
         StepRewards(mode="env_sparse", beta=-1.0)
+
+
+def test_turn_advantage_of_a_group_with_no_turn_taken_is_zero_not_nan():
+    """turn_advantage: beta (c - mean_g c) on valid turns, 0 elsewhere; mean over 0 taken turns must not be 0/0."""
+    credit = torch.tensor([[1.0, 3.0], [0.0, 0.0], [0.0, 0.0]])
+    valid = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])  # group 1 (rows 1, 2): no episode took a turn
+    adv = turn_advantage(credit, valid, torch.tensor([0, 1, 1]), beta=1.0)
+    # group 0: mean (1 + 3) / 2 = 2 -> (-1, 1); group 1: nothing valid -> zeros
+    assert adv.tolist() == [[-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
