@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
 
 from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
@@ -69,6 +70,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         self._sigint_seen = False  # this process received Ctrl-C (SIGINT) while training
         self._sigint_before: signal.Handlers | Callable | None = None  # the SIGINT handler to put back
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._default_dirpath(trainer)
         if stage == "fit":
@@ -84,6 +86,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             self._lock.acquire()
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Ctrl-C marks the process that gets it (the step goes on). With several processes SIGTERM does too; the
         ranks agree at the end of each training batch (``_stop_requested``) and stop together. Lightning's own
@@ -123,6 +126,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         sigterm, sigint = collectives.reduce_over_ranks(seen, "max").tolist()
         return bool(sigterm), bool(sigint)
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Known only now: whether this run resumed a checkpoint (Lightning loads it after the setup hooks).
         last = Path(self.dirpath) / "last.ckpt"
@@ -132,11 +136,13 @@ class ResumeCheckpoint(ModelCheckpoint):
                 "--ckpt_path last, or start this one in another folder (--trainer.default_root_dir DIR)."
             )
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release(trainer)
         self._restore_sigint()
         super().teardown(trainer, pl_module, stage)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stopped_by_lightning(trainer, exception)
         self._release(trainer)  # a run that fails (a setting refused at setup, a crash) gets no teardown
@@ -146,6 +152,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         if self._lock is not None and trainer.is_global_zero:
             self._lock.release()
 
+    @override
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         self._default_dirpath(trainer)  # Lightning resolves ckpt_path="last" before any setup hook runs
         found = super()._find_last_checkpoints(trainer)
@@ -163,6 +170,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args, **kwargs) -> None:
         # Counted from the last save, not as global_step % n: a batch may take several optimiser steps. The last
         # step is saved here too, not only at on_train_end: by then Lightning has closed the epoch, and a run
@@ -178,6 +186,7 @@ class ResumeCheckpoint(ModelCheckpoint):
                            f"{self.last_model_path}")  # fmt: skip
             raise SIGTERMException(SIGTERM_EXIT_CODE) if sigterm else KeyboardInterrupt
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_now(trainer)
 

@@ -134,9 +134,9 @@ class PromptDataModule(LightningDataModule):
             ``max_prompt_length`` tokens and logs how many were cut.
         chat_template: wrap prompts in the tokenizer's chat template as a user turn; None applies it when the
             tokenizer has one.
-        seed: seed of the data's streams (each epoch's order, the validation split; extra draws beyond a step's
-            batch follow ``model.seed``, as the rollouts they become), each hashed from it with its purpose (``gpo.seeds``); None: the run's seed (``seed_everything``), so one seed sets the
-            whole experiment.
+        seed: seed of the data's streams, each epoch's order and the validation split, each hashed from it with
+            its purpose (``gpo.seeds``); None: the run's seed (``seed_everything``), so one seed sets the whole
+            experiment. Extra draws beyond a step's batch (``DynamicSampling``) follow ``model.seed``.
     """
 
     def __init__(
