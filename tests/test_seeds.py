@@ -9,7 +9,7 @@ import torch
 from gpo.models.loading import LoraSettings, load_policy
 from gpo.rollout import HFEngine
 from gpo.seeds import stream_seed
-from gpo.train.data import EpochOrder, PromptDraws, PromptLoader
+from gpo.train.data import EpochOrder, PromptDraws, PromptLoader, collate
 from tests.tiny import prompts, quiet_trainer, tiny_module, write_assets
 
 
@@ -100,3 +100,13 @@ def test_extra_draws_from_an_iterable_dataset_go_on_through_it_then_start_again(
     draws = PromptDraws(torch.utils.data.DataLoader(Numbers(), batch_size=2), seed=3)
     assert [next(draws).tolist() for _ in range(5)] == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
     assert draws.drawn == 5
+
+
+def test_extra_draws_pass_over_the_dataset_whatever_the_loaders_own_sampler_draws():
+    """The passes are over the dataset's rows: a loader whose sampler draws more (8 of 4 rows, with replacement)
+    must not make a draw run past the end of a pass (a StopIteration there ends Lightning's epoch)."""
+    rows = [{"prompt_ids": [i], "prompt": str(i)} for i in range(4)]
+    sampler = torch.utils.data.RandomSampler(rows, replacement=True, num_samples=8)
+    draws = PromptDraws(torch.utils.data.DataLoader(rows, batch_size=2, sampler=sampler, collate_fn=collate), seed=3)
+    passes = [sorted(p for _ in range(2) for p in next(draws)["prompt"]) for _ in range(3)]
+    assert passes == [["0", "1", "2", "3"]] * 3

@@ -114,7 +114,6 @@ class Collector:
         """``n`` completions (default ``group_size``) per prompt of ``batch``, with texts and dataset fields;
         ``sampling`` replaces the engine's settings for this call."""
         n = n or self.group_size
-        check_batch(batch)
         tasks = {"tasks": batch["prompt"]} if self.engine.episodic else {}  # the environment gets the prompts' text
         generated = self.engine.generate(
             batch["prompt_ids"], n, seed=seed, greedy=greedy, logprobs=logprobs, sampling=sampling, **tasks
@@ -134,20 +133,3 @@ class Collector:
         errors.update(scored.replaced)
         rollout.reward = self.mixer(rollout.scores, rollout.group)  # [B]
         return rollout
-
-
-#: What a batch of prompts holds (``gpo.train.data.collate`` makes it from rows).
-BATCH_KEYS = ("prompt", "prompt_ids", "fields")
-
-
-def check_batch(batch: Any) -> None:
-    """Refuse a batch that is not a batch of prompts, naming what it lacks."""
-    missing = [key for key in BATCH_KEYS if key not in batch] if isinstance(batch, dict) else list(BATCH_KEYS)
-    if missing:
-        shown = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-        raise ValueError(
-            f"a batch of prompts holds 'prompt' (texts), 'prompt_ids' (token id lists) and 'fields' (the other "
-            f"columns, for the rewards); this one lacks {missing} (it has {shown}). Use gpo.train.data."
-            "PromptDataModule, or give your DataLoader rows with 'prompt' and 'prompt_ids' and "
-            "collate_fn=gpo.train.data.collate."
-        )

@@ -186,8 +186,9 @@ class RolloutPipeline:
             raise ValueError(f"model.sampler_threads={sampler_threads} must be >= 1, or null for half the threads.")
         if engine.episodic and engine.shares_policy_weights:
             raise ValueError(
-                f"model.max_off_policy_steps={lag} with a MultiTurnEngine over HFEngine is not supported: use a vLLM "
-                "engine inside the MultiTurnEngine, or set model.max_off_policy_steps: 0."
+                f"model.max_off_policy_steps={lag} with {type(engine).__name__} over an engine that samples from "
+                "the trained policy itself (HFEngine) is not supported: use a vLLM engine inside it, or set "
+                "model.max_off_policy_steps: 0."
             )
         self.lag, self.thread = lag, SamplerThread()
         self.pushes_policy = engine.shares_policy_weights

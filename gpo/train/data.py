@@ -7,14 +7,14 @@ import itertools
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from gpo.models.loading import check_pretrained_folder, load_tokenizer
@@ -112,6 +112,23 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     fields = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt_ids", "prompt")}
     prompts = {"prompt_ids": [row["prompt_ids"] for row in rows], "prompt": [row["prompt"] for row in rows]}
     return {**prompts, "fields": fields}
+
+
+#: What a batch of prompts holds (``collate`` makes it from rows).
+BATCH_KEYS = ("prompt", "prompt_ids", "fields")
+
+
+def check_batch(batch: Any) -> None:
+    """Refuse a batch that is not a batch of prompts, naming what it lacks."""
+    missing = [key for key in BATCH_KEYS if key not in batch] if isinstance(batch, Mapping) else list(BATCH_KEYS)
+    if missing:
+        shown = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(
+            f"a batch of prompts holds 'prompt' (texts), 'prompt_ids' (token id lists) and 'fields' (the other "
+            f"columns, for the rewards); this one lacks {missing} (it has {shown}). Use gpo.train.data."
+            "PromptDataModule, or give your DataLoader rows with 'prompt' and 'prompt_ids' and "
+            "collate_fn=gpo.train.data.collate."
+        )
 
 
 class PromptDataModule(LightningDataModule):
@@ -422,13 +439,11 @@ class PromptDraws:
 
 
 def batches_per_pass(loader: DataLoader) -> int | None:
-    """Batches in one pass of this process over a map-style dataset with a fixed batch size; None for anything
-    else."""
-    try:
-        rows = len(loader.sampler)  # this rank's share under DDP, the whole dataset otherwise
-    except TypeError:
+    """Batches in one of ``reshuffled``'s passes of this process over a map-style dataset with a fixed batch size
+    (whatever the loader's own sampler draws); None for anything else."""
+    if isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
         return None
-    return math.ceil(rows / loader.batch_size) if loader.batch_size else None
+    return len(reshuffled(loader, 0))
 
 
 def reshuffled(loader: DataLoader, seed: int) -> DataLoader:

@@ -29,7 +29,7 @@ from gpo.rollout.base import Rollout, RolloutEngine
 from gpo.train import preflight
 from gpo.train.assembly import assemble
 from gpo.train.checkpointing import AtomicCheckpointIO
-from gpo.train.data import PromptDraws
+from gpo.train.data import PromptDraws, check_batch
 from gpo.train.evaluation import Evaluation, evaluate, log_evaluation
 from gpo.train.hooks import RolloutSource, run_prompt_hooks, run_rollout_hooks
 from gpo.train.learner import OldLogprobs, lightning_backend
@@ -248,6 +248,7 @@ class GPOModule(RolloutSource, LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         started = time.perf_counter()
+        check_batch(batch)
         batch = run_prompt_hooks(self.trainer, self, batch)
         held = collectives.every_rank_holds(len(batch["prompt"]), 1, self.device)
         self.feed.submit(batch if held else None, self.trainer.fit_loop.epoch_loop.total_batch_idx)
@@ -311,6 +312,7 @@ class GPOModule(RolloutSource, LightningModule):
     # ---- evaluation ---------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        check_batch(batch)
         log_evaluation(self, evaluate(self.collector, batch, batch_idx, self.evaluation), len(batch["prompt"]))
 
 

@@ -367,31 +367,34 @@ def check_step_rewards(step_rewards: Any, engine: Any, gate: RatioGate) -> None:
 
 
 def engine_left_unsynced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> bool:
-    """Whether the engine holds its own copy of the weights (vLLM) and no ``VLLMWeightSync`` pushes the policy's
-    into it: it samples from the weights it was started with."""
+    """Whether the engine holds its own copy of the weights (vLLM) and no weight-sync callback
+    (``gpo.train.hooks.WeightSync``: ``VLLMWeightSync``) pushes the policy's into it: it samples from the weights it
+    was started with."""
     return not sampler_shares_weights and not any(isinstance(callback, WeightSync) for callback in callbacks)
 
 
 def warn_if_sampler_never_synced(sampler_shares_weights: bool, callbacks: Sequence[Any]) -> None:
-    """An engine with its own copy of the weights (vLLM) samples from the initial policy all run unless
-    ``VLLMWeightSync`` pushes the trained weights into it."""
+    """An engine with its own copy of the weights (vLLM) samples from the initial policy all run unless a
+    weight-sync callback (``VLLMWeightSync``) pushes the trained weights into it."""
     if engine_left_unsynced(sampler_shares_weights, callbacks):
         log.warning(
             "model.engine holds its own copy of the weights and trainer.callbacks has no VLLMWeightSync: unless "
             "something else updates them, it samples from the initial policy for the whole run while the trainer's "
             "policy moves. Add gpo.callbacks.VLLMWeightSync to trainer.callbacks (configs/quickstart_vllm.yaml shows "
-            "how)."
+            "how); a callback of your own that pushes them subclasses gpo.train.hooks.WeightSync."
         )
 
 
 def check_evaluated_weights(sampler_shares_weights: bool, callbacks: Sequence[Any], ckpt_path: str) -> None:
-    """Evaluating a checkpoint with an engine that holds its own copy of the weights (vLLM) needs ``VLLMWeightSync``
-    to push the checkpoint's weights into it: without, the engine scores the weights it was started with."""
+    """Evaluating a checkpoint with an engine that holds its own copy of the weights (vLLM) needs a weight-sync
+    callback (``VLLMWeightSync``) to push the checkpoint's weights into it: without, the engine scores the weights it
+    was started with."""
     if engine_left_unsynced(sampler_shares_weights, callbacks):
         raise ValueError(
             f"--ckpt_path {ckpt_path}: model.engine holds its own copy of the weights and trainer.callbacks has no "
             "VLLMWeightSync, so the engine would score the weights it started with, not the checkpoint's. Add "
-            "gpo.callbacks.VLLMWeightSync to trainer.callbacks (the config the run was fitted with has it)."
+            "gpo.callbacks.VLLMWeightSync to trainer.callbacks (the config the run was fitted with has it); a callback "
+            "of your own that pushes them subclasses gpo.train.hooks.WeightSync."
         )
 
 

@@ -372,7 +372,8 @@ def test_the_held_out_reward_is_the_rewards_weighted_sum_whatever_the_mixer(work
 
 
 def test_validate_collects_its_rollouts_on_the_modules_device(workspace):
-    """``validate`` calls no fit hook: its rollouts stayed where the collector was built (the CPU, on a GPU run)."""
+    """``validate`` calls no fit hook, and its rollouts belong on the module's device all the same (not on the CPU,
+    where the collector starts, in a GPU run)."""
     model, data = workspace
     module = tiny_module(model)
     module.collector.device = torch.device("meta")  # stands for "not the module's device"
@@ -390,12 +391,15 @@ def test_a_trainer_used_again_is_not_told_that_gpos_own_callback_replaces_itself
 
 
 def test_batches_of_another_shape_are_refused_naming_what_they_lack(workspace):
-    """A data module of one's own whose batches hold texts alone failed deep in sampling with KeyError: 'prompt_ids'."""
+    """A loader of one's own whose batches are not batches of prompts is refused before anything reads them."""
     model, _ = workspace
     rows = [{"prompt": "12=", "answer": "12"}] * 4
     loader = torch.utils.data.DataLoader(rows, batch_size=2)
     with pytest.raises(ValueError, match=r"lacks \['prompt_ids', 'fields'\] \(it has \['answer', 'prompt'\]\)"):
         quiet_trainer(1).fit(tiny_module(model), train_dataloaders=loader)
+    texts = torch.utils.data.DataLoader([{"text": "12=", "answer": "12"}] * 4, batch_size=2)
+    with pytest.raises(ValueError, match=r"lacks \['prompt', 'prompt_ids', 'fields'\]"):
+        quiet_trainer(1).fit(tiny_module(model), train_dataloaders=texts)
     tokenized = [row | {"prompt_ids": [5, 6, 7]} for row in rows]  # README: any loader of such rows, collated by gpo
     loader = torch.utils.data.DataLoader(tokenized, batch_size=2, collate_fn=collate)
     quiet_trainer(2).fit(tiny_module(model), train_dataloaders=loader)

@@ -440,6 +440,6 @@ def test_a_multi_turn_engine_over_the_trained_policy_is_refused_and_over_its_own
     from gpo.envs import NumberGuess
     from gpo.rollout.multi_turn import MultiTurnEngine
 
-    with pytest.raises(ValueError, match=r"max_off_policy_steps=1 with a MultiTurnEngine over HFEngine"):
+    with pytest.raises(ValueError, match=r"with MultiTurnEngine over an engine that samples from the trained policy"):
         RolloutPipeline(MultiTurnEngine(engine=HFEngine(), env=NumberGuess()), lag=1, sampler_threads=None)
     RolloutPipeline(MultiTurnEngine(engine=OwnWeights(), env=NumberGuess()), lag=1, sampler_threads=None).close()
