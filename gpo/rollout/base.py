@@ -94,6 +94,24 @@ class Rollout:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
+    def check_rows(self) -> None:
+        """Refuse a rollout whose fields hold another row count than ``completion_ids`` (a text list left empty is
+        fine), or whose ``reward`` is not one value per row."""
+        rows, counts = len(self), {}
+        for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
+            if isinstance(value, Tensor):
+                counts[name] = value.shape[0] if value.dim() else 0
+            elif isinstance(value, list) and value:
+                counts[name] = len(value)
+            elif isinstance(value, dict):
+                counts |= {f"{name}[{key!r}]": len(column) for key, column in value.items()}
+        wrong = [(where, count) for where, count in counts.items() if count != rows]
+        if wrong:
+            raise ValueError(f"the rollout's {wrong[0][0]} has {wrong[0][1]} rows, its completion_ids {rows}.")
+        if self.reward is not None and not (isinstance(self.reward, Tensor) and self.reward.dim() == 1):
+            shown = tuple(self.reward.shape) if isinstance(self.reward, Tensor) else type(self.reward).__name__
+            raise ValueError(f"the rollout's reward must be a [{rows}] tensor, one value per row, not {shown}.")
+
     @property
     def input_ids(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [B, P + T]

@@ -114,7 +114,9 @@ def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[s
 
 def run_rollout_hooks(trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout:
     """``on_rollout_end`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's
-    rollout. The result may be empty (test ``len(rollout) == 0``): then skip the step."""
+    rollout. The result may be empty (test ``len(rollout) == 0``): then skip the step. A rollout whose fields
+    disagree on its row count is refused before any callback reads it (``Rollout.check_rows``)."""
+    rollout.check_rows()
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):
             callback._hooks_ran |= {"on_rollout_end"}

@@ -162,6 +162,29 @@ def test_hooks_run_in_order_each_on_the_previous_result_and_plain_callbacks_are_
     assert run_rollout_hooks(trainer, None, rollout) is rollout  # Keeps has no on_rollout_end: kept as it is
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"group": torch.arange(3)}, r"rollout's group has 3 rows, its completion_ids 4"),
+        ({"completions": ["a"] * 3}, r"rollout's completions has 3 rows"),
+        ({"fields": {"answer": [1, 2]}}, r"rollout's fields\['answer'\] has 2 rows"),
+        ({"reward": torch.zeros(4, 1)}, r"reward must be a \[4\] tensor, one value per row, not \(4, 1\)"),
+        ({"reward": [0.0] * 4}, r"reward must be a \[4\] tensor, one value per row, not list"),
+    ],
+)
+def test_a_rollout_whose_fields_disagree_on_its_rows_is_refused_before_any_callback_reads_it(change, message):
+    """A module of one's own builds its rollouts: a mistake there otherwise surfaces deep inside a callback (a torch
+    error from bincount in RolloutMonitor or CompletionSamples)."""
+    trainer = type("T", (), {"callbacks": [RolloutMonitor()]})()
+    rollout = Rollout(*(torch.zeros(4, 1, dtype=torch.long),) * 4, torch.zeros(4, dtype=torch.bool), torch.arange(4))
+    rollout.reward = torch.zeros(4)
+    run_rollout_hooks(trainer, None, rollout)  # consistent: nothing refused (the monitor computes without a trainer)
+    for name, value in change.items():
+        setattr(rollout, name, value)
+    with pytest.raises(ValueError, match=message):
+        run_rollout_hooks(trainer, None, rollout)
+
+
 def digit_share(completions: list[str]) -> torch.Tensor:
     """The reward: the fraction of a completion's characters that are digits (varies within a group)."""
     return torch.tensor([sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions])
