@@ -405,6 +405,16 @@ def test_batches_of_another_shape_are_refused_naming_what_they_lack(workspace):
     quiet_trainer(2).fit(tiny_module(model), train_dataloaders=loader)
 
 
+def test_a_fit_tells_a_plain_callback_with_a_rollout_hook_that_it_is_never_called(workspace):
+    class Plain(L.Callback):
+        def on_rollout_end(self, trainer, pl_module, rollout):
+            return rollout
+
+    model, data = workspace
+    with pytest.warns(UserWarning, match=r"Plain defines on_rollout_end but is a plain Callback"):
+        quiet_trainer(1, [Plain()]).fit(tiny_module(model), prompts(model, data, 2))
+
+
 RESET_SEEDS: list[int] = []
 
 
