@@ -134,7 +134,9 @@ class Rollout:
                 return value[index]
             if isinstance(value, dict):
                 return {key: pick(values) for key, values in value.items()}
-            return [value[i] for i in picked] if value else value  # a list, or None
+            if isinstance(value, list):
+                return [value[i] for i in picked] if value else []  # a text list left empty: a new empty one
+            return value  # None
 
         return replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
