@@ -120,6 +120,21 @@ def test_gmpo_matches_paper_product_form(batch):
     assert metrics["clip/low_frac"].item() == pytest.approx(2 / 15)
 
 
+@pytest.mark.parametrize("gate", [GeometricMeanGate(), GeometricMeanGate(clip_low=0.2, clip_high=0.3)])
+def test_gmpo_zero_advantage_sequence_with_a_runaway_ratio_adds_nothing(gate):
+    # row 1 has zero advantage and a mean log-ratio of 100 (exp overflows float32): its score is 0, not 0 x inf
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, -0.2, 0.3], [100.0, 100.0, 100.0]], requires_grad=True)
+    adv, mask = torch.tensor([[1.0] * 3, [0.0] * 3]), torch.ones(2, 3)
+    value = SequenceMean()(gate(logp, old, adv, mask)[0], mask)
+    alone = logp[:1].detach().requires_grad_()
+    expected = SequenceMean()(gate(alone, old[:1], adv[:1], mask[:1])[0], mask[:1]) / 2
+    torch.testing.assert_close(value, expected)
+    grad = grad_of(value, logp)
+    torch.testing.assert_close(grad[0], grad_of(expected, alone)[0])
+    assert torch.equal(grad[1], torch.zeros(3))
+
+
 def test_gmpo_gradient_is_geometric_mean_weighted(batch):
     # d score_i / d logp_t = A_i * exp(mean l) / |o_i| on unclipped tokens (gradient of the loss is minus that / G)
     lo = hi = 0.4

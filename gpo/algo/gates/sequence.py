@@ -98,9 +98,12 @@ class GeometricMeanGate(RatioGate):
         self.clip_low, self.clip_high = clip_low, clip_high
 
     def clipped_log_ratio(self, log_ratio: Tensor, seq_adv: Tensor) -> Tensor:
-        """``[B, T]`` token log-ratios clipped on the side the advantage ``seq_adv[B]`` pushes."""
-        positive = (seq_adv > 0)[:, None]
-        return torch.where(positive, log_ratio.clamp(max=self.clip_high), log_ratio.clamp(min=-self.clip_low))
+        """``[B, T]`` token log-ratios clipped on the side the advantage ``seq_adv[B]`` pushes.
+
+        A sequence of zero advantage scores 0 whichever side is clipped; it is capped from above, so that a runaway
+        ratio's ``exp`` stays finite (``0 x inf`` would put NaN in the batch's loss and gradient)."""
+        upward = (seq_adv >= 0)[:, None]
+        return torch.where(upward, log_ratio.clamp(max=self.clip_high), log_ratio.clamp(min=-self.clip_low))
 
     def clip_metrics(self, log_ratio: Tensor, seq_adv: Tensor, mask: Tensor) -> Metrics:
         metrics = ratio_metrics(log_ratio, mask)
