@@ -140,7 +140,7 @@ class JudgeReward(ServedReward):
                         retries=self.retries, describe=describe, hints=HINTS,
                     )  # fmt: skip
                 score = answer.get("score") if isinstance(answer, dict) else None
-                if not isinstance(score, int | float) or not math.isfinite(score):
+                if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
                     raise JudgeError(f"{describe}: POST /score answered {answer!r:.200}; expected {{'score': number}}.")
                 return float(score)
 

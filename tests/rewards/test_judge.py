@@ -2,6 +2,7 @@ import time
 
 import pytest
 import torch
+from aiohttp import web
 
 from gpo.algo import EnvEventOutcomeBlend
 from gpo.rewards import JudgeError, JudgeReward, env_reward
@@ -91,6 +92,21 @@ def test_a_body_the_judge_cannot_use_is_answered_400_never_500(judge_url):
     for what, raw in {"not JSON": b"{", "nested too deeply": b"[" * 5000 + b"]" * 5000}.items():
         assert post_json(f"{judge_url}/score", raw=raw)[0] == 400, what
     assert post_json(f"{judge_url}/score", {"kind": "event", "turns": [turn], "turn": 0}) == (200, {"score": 1.0})
+
+
+@pytest.mark.parametrize("answer", [{"score": True}, {"score": "1"}, {"score": float("nan")}, [1.0]])
+def test_an_answer_that_is_not_a_number_is_refused_naming_it(answer):
+    # JSON true is a bool in Python, and bool is an int: it must not pass for a score of 1
+    routes = web.RouteTableDef()
+
+    @routes.post("/score")
+    async def score(request):
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.add_routes(routes)
+    with serve(app) as url, pytest.raises(JudgeError, match=r"POST /score answered .*expected \{'score': number\}"):
+        JudgeReward(judge_url=url, **FAST)(PROMPTS[:1], COMPLETIONS[:1], turns=TURNS[:1])
 
 
 def test_a_body_above_max_body_bytes_is_refused_with_413_and_not_retried():
