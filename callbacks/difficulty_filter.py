@@ -41,8 +41,8 @@ class DifficultyFilter(RolloutCallback):
     batch (the uniform ones DynamicSampling drops included) but not the extra batches DynamicSampling draws:
     those never pass through ``on_prompts`` and are sampled after this filter's ``on_rollout_end`` has run.
 
-    Source: the "Goldilocks rule" of seed 002 (a textbook chapter on GRPO): keep prompts with a 20-80% pass rate
-    for the current model and re-filter periodically (every 500 steps there) as the model improves.
+    Source: the "Goldilocks rule" of Haggai Roitman's textbook chapter on GRPO: keep prompts with a 20-80% pass
+    rate for the current model and re-filter periodically (every 500 steps there) as the model improves.
 
     Logged: per step ``difficulty/seen`` and ``difficulty/skipped`` (prompts of the incoming batch),
     ``difficulty/fallback`` (1.0 if the whole batch would have been skipped); on the steps the loggers write (every

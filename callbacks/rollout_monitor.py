@@ -53,8 +53,9 @@ class RolloutMonitor(RolloutCallback):
     during the step (GPOModule logs ``entropy``, the token entropy of its training pass: exact for one update per
     step, an average over the updates otherwise).
 
-    Source: seed 002 (a textbook chapter on GRPO): "track response entropy, unique n-gram ratio and reward
-    distribution width; if all three drop together you have a collapse". The thresholds are ours.
+    Source: the collapse check of Haggai Roitman's textbook chapter on GRPO, which watches response entropy, the
+    unique n-gram ratio and the spread of the rewards, and reads all three falling at once as a collapse. The
+    thresholds are ours.
 
     What the LightningModule must provide (gpo's ``GPOModule`` does):
 

@@ -54,8 +54,8 @@ def spread_over_tokens(per_turn: Tensor, turn_index: Tensor) -> Tensor:
 class StepRewards:
     """Per-turn advantages from the step rewards of multi-turn episodes.
 
-    They follow seed 004's ``step_rewards_mode`` / ``step_rewards_beta``, and are
-    added to every policy token of turn ``k`` on top of the sequence advantage:
+    They follow the ``step_rewards_mode`` / ``step_rewards_beta`` of a hosted GSPO training service's config reference,
+    and are added to every policy token of turn ``k`` on top of the sequence advantage:
 
     ``A_{i,t} += beta * (c_{i,k(t)} - mean over the turns taken in i's group of c)``, with the credit ``c`` of
     ``turn_credit``. Per-token advantages need a token-level gate (``ClipGate``, or GSPO-token:

@@ -54,8 +54,9 @@ class ReferenceProbWeight(TokenWeight):
     Scale each token's advantage by ``1 - pi_ref(o_t)``: tokens the reference model already predicts
     confidently carry little of the update, uncertain ones carry most of it.
 
-    ``A'_t = A_t (1 - pi_ref(o_t))``. This is the token weighting some texts (seed 002) attribute to
-    Dr. GRPO; the Dr. GRPO paper itself removes the length and std normalisations instead (see the
+    ``A'_t = A_t (1 - pi_ref(o_t))``. This is the token weighting some texts (Haggai Roitman's textbook chapter
+    on GRPO) attribute to Dr. GRPO; the Dr. GRPO paper itself (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training: A Critical Perspective") removes the length and std normalisations instead (see the
     ``DrGRPO`` preset), so here it is a separate, optional part. The trainer scores the reference model for it.
     """
 

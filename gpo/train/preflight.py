@@ -232,7 +232,7 @@ def check_distillation(distill: Any, teacher: Any, teacher_read: bool) -> None:
 
 
 def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) -> str:
-    """``old_logprobs``, or what seed 000's ``ppo_clip_ref_logprobs`` says (``batch`` is ``trainer``)."""
+    """``old_logprobs``, or what ``ppo_clip_ref_logprobs`` (flat GRPO configs' name) says (``batch`` is ``trainer``)."""
     if old_logprobs not in ("rollout", "trainer"):
         raise ValueError(f"model.old_logprobs={old_logprobs!r} is not valid; choose rollout or trainer.")
     if ppo_clip_ref_logprobs is None:

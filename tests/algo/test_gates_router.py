@@ -25,7 +25,7 @@ def router_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     [
         # sequence 0 (A = 1.5 > 0): log-ratios [0.5, -0.2] -> [min(0.5, 0.3), -0.2] = [0.3, -0.2], mean 0.05
         # sequence 1 (A = -2 < 0): log-ratios [-0.5, 0.2] -> [max(-0.5, -0.1), 0.2] = [-0.1, 0.2], mean 0.05
-        #   (floored at -clip_high = -0.3 instead, as the seed's clip(w^sgn(A)) reads, the mean would be -0.05)
+        #   (floored at -clip_high = -0.3 instead, as the survey's clip(w^sgn(A)) reads, the mean would be -0.05)
         pytest.param(0.1, 0.3, (0.05, 0.05), id="low_0.1_high_0.3"),
         # sequence 0: [min(0.5, 0.1), -0.2] = [0.1, -0.2], mean -0.05
         # sequence 1: [max(-0.5, -0.3), 0.2] = [-0.3, 0.2], mean -0.05

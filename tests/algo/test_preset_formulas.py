@@ -1,9 +1,10 @@
 """Each preset end to end, as ``--model.algorithm NAME`` builds it with its defaults: rewards -> advantages -> gate ->
-aggregation, loss and gradient against the papers' formulas written out here token by token in float64 (seed 003 for
-the objectives, seed 000 for GRPO's plain policy gradient and the defaults). The parts' own tests pin each part;
-these pin how the presets put them together: which advantage, which std convention, which clip distances, which
-normaliser. Two groups of unequal size, completions of unequal length with garbage on the padding, advantages of both
-signs and log-ratios up to 0.7, so every clip range is crossed on some token."""
+aggregation, loss and gradient against the papers' formulas written out here token by token in float64 (the objectives
+as the survey article named in docs/algorithms.md writes them, GRPO's plain policy gradient and the defaults as flat
+GRPO configs have them). The parts' own tests pin each part; these pin how the presets put them together: which
+advantage, which std convention, which clip distances, which normaliser. Two groups of unequal size, completions of
+unequal length with garbage on the padding, advantages of both signs and log-ratios up to 0.7, so every clip range is
+crossed on some token."""
 
 import math
 import statistics
@@ -102,7 +103,7 @@ def clipped(ratio, a, low, high):
 
 
 def reinforce_sum(logp, old, i, a):
-    """``sum_t A log pi_t``: seed 000's GRPO loss is ``-log_probs * advantage``."""
+    """``sum_t A log pi_t``: the plain GRPO loss of flat GRPO configs, ``-log_probs * advantage``."""
     return sum(a * lp for lp, _ in tokens(logp, old, i))
 
 

@@ -1,4 +1,4 @@
-"""Presets: the parts each one builds, the seed's defaults, its own settings, and the combinations it refuses."""
+"""Presets: the parts each one builds, its sources' defaults, its own settings, and the combinations it refuses."""
 
 import pytest
 
@@ -67,7 +67,7 @@ def test_every_preset_builds_its_parts(name):
     assert isinstance(preset(name), ALGORITHMS[name])
 
 
-def test_defaults_from_the_seed_configs():
+def test_defaults_from_the_flat_grpo_configs():
     assert GRPO().parts().advantage.scale == "group"
     assert DrGRPO().parts().advantage.scale == "none"
     assert (CISPO().gate.clip_low, CISPO().gate.clip_high) == (0.4, 0.5)
@@ -81,7 +81,7 @@ def test_defaults_from_the_seed_configs():
 def test_ppo_clip_layers_on_the_reinforce_family(algorithm):
     gate = algorithm(ppo_clip=PPOClip(clip_low=0.2, clip_high=0.3, dual_clip=3.0)).parts(64).gate
     assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high, gate.dual_clip) == (0.2, 0.3, 3.0)
-    gate = algorithm(ppo_clip=PPOClip()).parts(64).gate  # seed 000's use_ppo_clip: 0.4 / 0.5 by default
+    gate = algorithm(ppo_clip=PPOClip()).parts(64).gate  # flat GRPO configs' use_ppo_clip defaults: 0.4 / 0.5
     assert isinstance(gate, ClipGate) and (gate.clip_low, gate.clip_high) == (0.4, 0.5)
     assert isinstance(algorithm().parts(64).gate, NoGate)
     with pytest.raises(TypeError, match=r"ppo_clip=True takes gpo.algo.PPOClip\(...\).*ppo_clip: \{\}"):
@@ -94,7 +94,7 @@ def test_each_preset_reads_only_its_own_settings():
     with pytest.raises(TypeError):
         CISPO(ppo_clip=PPOClip())  # CISPO handles the ratio itself: there is no PPO clipping to layer on it
     with pytest.raises(TypeError):
-        RLOO(advantage_norm="batch")  # its baseline is a group statistic (seed 000)
+        RLOO(advantage_norm="batch")  # its baseline is a group statistic
 
 
 def test_presets_of_the_newer_methods_build_their_parts_from_their_own_settings():

@@ -295,7 +295,7 @@ def test_router_shift_gate_hand_worked() -> None:
 
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_routing_drift_damps_the_update_whatever_the_advantages_sign(advantage) -> None:
-    """Seed 003: "the more the router changed for token t, the less RSPO lets that token push the policy update"."""
+    """RSPO's router-shift weight is a drift penalty: the further a token's routing moved, the less it counts."""
     old_r = torch.tensor([0.6, 0.4]).log().expand(1, 1, 3, 2)
     drifted = torch.tensor([0.48, 0.52]).log().expand(1, 1, 3, 2)  # gamma = 0.8 at every token
     logp, adv, mask = torch.tensor([[0.05, -0.05, 0.02]]), torch.full((1, 3), advantage), torch.ones(1, 3)

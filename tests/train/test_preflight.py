@@ -211,7 +211,7 @@ CLI_CASES = [
     bad("mixer_weights_count", "--model.mixer=gpo.algo.WeightedSum", "--model.mixer.weights=[1.0, 0.5]",
         field="model.mixer (WeightedSum) has 2 weights", fix="give one weight per reward function"),
     bad("no_rewards", "--model.rewards=[]", field="model.rewards is empty", fix="give at least one reward function"),
-    # ---- the seeds' compatibility rules and knob ranges ---------------------------------------------------------
+    # ---- the compatibility rules and knob ranges of flat GRPO configs -------------------------------------------
     bad("unknown_algorithm", "--model.algorithm=ppo", field="model.algorithm='ppo'",
         fix="a preset's defaults (grpo, rloo"),
     bad("clip_low_negative", "--model.algorithm=GRPO", "--model.algorithm.ppo_clip.clip_low=-0.1",
@@ -331,9 +331,9 @@ def test_a_value_outside_a_fixed_set_is_refused_by_the_parser_with_the_choices(r
     ],
 )
 def test_a_setting_the_chosen_preset_does_not_have_is_refused_by_the_parser(root, capsys, args):
-    # Each preset takes only the settings it reads (seed 000's refusals: no PPO clip on CISPO/GSPO/SAPO, RLOO has
-    # no batch normalisation, Dr. GRPO divides by no std), so anything else is an unknown key; the message lists
-    # the settings the preset does take.
+    # Each preset takes only the settings it reads (the refusals of flat GRPO configs: no PPO clip on CISPO/GSPO/SAPO,
+    # RLOO has no batch normalisation, Dr. GRPO divides by no std), so anything else is an unknown key; the message
+    # lists the settings the preset does take.
     with pytest.raises(SystemExit):
         run(["fit", f"--config={root / 'good.yaml'}", *args])
     err = capsys.readouterr().err

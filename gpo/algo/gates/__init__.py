@@ -1,7 +1,8 @@
 """Ratio gates: every surrogate in the family as ``gate(r) x advantage``, aggregated over tokens.
 
-The unified view (seed 003): each method optimises ``mean over tokens of f(r_t) A_t`` and differs only in
-``f``, the gate on the importance ratio ``r_t = pi(o_t) / pi_old(o_t)``, and in whether the ratio is a
+The unified view, as the survey article named in docs/algorithms.md presents the family
+(https://ydnyshhh.github.io/posts/policy_optimization): each method optimises ``mean over tokens of f(r_t) A_t`` and
+differs only in ``f``, the gate on the importance ratio ``r_t = pi(o_t) / pi_old(o_t)``, and in whether the ratio is a
 token's or a sequence's. Where we depart from a paper's text, the gate's docstring says so.
 """
 

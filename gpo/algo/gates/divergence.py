@@ -46,13 +46,13 @@ class DivergenceMaskGate(RatioGate):
       needs ``topk_logp`` (current policy at those tokens) and ``old_topk_logp``, ``[B, T, k]``, which the trainer
       computes chunk by chunk without the full logits.
 
-    Coarsening can only lower TV and KL, so ``D_t`` is a lower bound of the full divergence. KL is
-    ``KL(pi || pi_old)``. The seeds write the binary KL with its first term only; we keep both terms so the
-    estimate is a divergence (never negative).
+    Coarsening can only lower TV and KL, so ``D_t`` is a lower bound of the full divergence. KL is ``KL(pi || pi_old)``.
+    Roitman's textbook chapter on GRPO writes the binary KL with its first term only; we keep both terms so the estimate
+    is a divergence (never negative).
 
     Args:
         mode: which estimate, one of ``binary_tv``, ``binary_kl``, ``topk_tv``, ``topk_kl``.
-        threshold: the trust-region radius ``delta`` (no default: the seeds give none).
+        threshold: the trust-region radius ``delta`` (no default: the sources we read give none).
         top_k: old-policy tokens that get a bin of their own in the ``topk_*`` modes (unused by ``binary_*``).
     """
 

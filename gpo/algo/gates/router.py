@@ -38,7 +38,7 @@ def router_shift_weight(router_logp: Tensor, old_router_logp: Tensor, top_k: int
 
 
 class RouterShiftGate(GeometricMeanGate):
-    """RSPO (Zhang et al. 2025, "Towards Stable and Effective RL for Mixture-of-Experts"), as in seed 003.
+    """RSPO (Zhang et al. 2025, "Towards Stable and Effective Reinforcement Learning for Mixture-of-Experts").
 
     ``score_i = [prod_t W_t]^(s / |o_i|) * [prod_t gamma_t]^(1 / |o_i|) * A_i`` with GMPO's token clipping
     ``W_t = min(w_t^s, clip(w_t, e^-clip_low, e^clip_high)^s)``, ``s = sgn(A_i)``, and the router-shift ratio
@@ -46,16 +46,17 @@ class RouterShiftGate(GeometricMeanGate):
     log space: ``log(score_i / A_i) = mean_t l_t + mean_t log gamma_t`` with ``l_t = min(log w_t, clip_high)`` if
     ``A_i > 0`` else ``max(log w_t, -clip_low)``: every sequence is damped by ``geomean(gamma) <= 1``.
 
-    Two departures from the seed's formula, ``[prod_t (W_t * gamma_t)]^(s / |o_i|)``:
+    Two departures from the formula as the survey article we followed writes it
+    (https://ydnyshhh.github.io/posts/policy_optimization), ``[prod_t (W_t * gamma_t)]^(s / |o_i|)``:
 
     * ``gamma`` takes no sign exponent. Under it a negative-advantage sequence would be scaled by
-      ``geomean(gamma)^-1 >= 1``, pushed harder the more its routing drifted, while the same seed says three times
+      ``geomean(gamma)^-1 >= 1``, pushed harder the more its routing drifted, while the same article says three times
       what ``gamma`` is for: it "down-weights tokens whose routing changed too much", is "a routing-drift penalty:
       the more the router changed for token t, the less RSPO lets that token push the policy update", and acts
       "only as a sample weight". We follow that: the weight damps both signs.
-    * The seed writes ``clip(w_t^s, eps_1, eps_2)``, clipping the ratio after the sign power; then ``eps_1`` never
+    * The article writes ``clip(w_t^s, eps_1, eps_2)``, clipping the ratio after the sign power; then ``eps_1`` never
       binds (``min(x, clip(x, a, b)) = min(x, b)``) and ``eps_2`` bounds both sides, so a negative-advantage
-      token's ratio would be floored at ``1/eps_2``. We clip ``w_t`` itself, as GMPO does (the seed's GMPO section,
+      token's ratio would be floored at ``1/eps_2``. We clip ``w_t`` itself, as GMPO does (the article's GMPO section,
       and RSPO keeps GMPO's token clipping): ``clip_low`` bounds how far a ratio may fall (negative advantages),
       ``clip_high`` how far it may rise (positive ones).
 
@@ -64,7 +65,7 @@ class RouterShiftGate(GeometricMeanGate):
 
     Args:
         top_k: experts per token the model routes to (its ``num_experts_per_tok``).
-        gamma_min: floor on ``gamma`` (our default; the seeds give no value).
+        gamma_min: floor on ``gamma`` (our default; the sources we read give no value).
         clip_low, clip_high: GMPO's log-space token clip.
     """
 

@@ -1,10 +1,10 @@
 """Algorithm presets: each a named bundle of an advantage estimator, a ratio gate and a loss aggregator.
 
-A preset takes the settings its paper gives it (under seed 000's names where it has one) as typed arguments of its
-own, builds its parts from them, and refuses the combinations the papers rule out with a message that says what to
-change. There is no shared bag of settings: a preset has only the arguments it reads. ``Custom`` composes any three
-parts freely. In YAML a preset is chosen by class (``algorithm: DAPO``, with ``init_args`` to change its settings) or
-by its lowercase name for its defaults (``algorithm: dapo``).
+A preset takes the settings its paper gives it (under the names of flat GRPO configs where they have one, see
+docs/algorithms.md) as typed arguments of its own, builds its parts from them, and refuses the combinations the papers
+rule out with a message that says what to change. There is no shared bag of settings: a preset has only the arguments it
+reads. ``Custom`` composes any three parts freely. In YAML a preset is chosen by class (``algorithm: DAPO``, with
+``init_args`` to change its settings) or by its lowercase name for its defaults (``algorithm: dapo``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from gpo.algo.presets.policy_gradient import GRPO, RLOO, DrGRPO, MaxRL, Reinforc
 from gpo.algo.presets.trust_region import CISPO, DAPO, DPPO, DRO, GMPO, GOPO, GSPO, RSPO, SAPO, VESPO
 from gpo.suggest import did_you_mean
 
-#: The presets that have a default for every setting, by lowercase name (seed 000's ``algorithm`` and seed 002's TRL
-#: ``loss_type`` where they name one): ``algorithm: dapo`` is ``DAPO()``.
+#: The presets that have a default for every setting, by lowercase name (the ``algorithm`` of flat GRPO configs and
+#: TRL's ``loss_type`` where they name one): ``algorithm: dapo`` is ``DAPO()``.
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "grpo": GRPO,
     "rloo": RLOO,

@@ -14,7 +14,7 @@ LossAggMode = Literal["token_mean", "token_sum_norm"]
 class GRPO(Algorithm):
     """GRPO (DeepSeekMath, Shao et al. 2024): group mean / std advantages and the plain policy gradient.
 
-    The loss is the mean over sequences of their token means. Seed 000's default algorithm.
+    The loss is the mean over sequences of their token means. The default algorithm, as in flat GRPO configs.
 
     Args:
         advantage_norm: divide the centred reward by the ``group``'s std or the whole ``batch``'s.

@@ -74,8 +74,7 @@ class CISPO(Algorithm):
 class GSPO(Algorithm):
     """GSPO (Zheng et al. 2025): the length-normalised sequence ratio, clipped; sequence-mean loss.
 
-    The paper used clip distances of 3e-4 / 4e-4; the defaults here are 0.4 / 0.5, those of flat GRPO configs
-    (seed 000).
+    The paper used clip distances of 3e-4 / 4e-4; the defaults here are 0.4 / 0.5, those of flat GRPO configs.
 
     Args:
         clip_low: lower clip distance of the sequence ratio.
@@ -168,10 +167,11 @@ class RSPO(Algorithm):
 
 
 class VESPO(Algorithm):
-    """VESPO: a smooth weight of the sequence importance weight on the policy gradient (seed 002).
+    """VESPO: a smooth weight of the sequence importance weight on the policy gradient.
 
-    The weight is ``W^k exp(lambda (1 - W))`` of the sequence importance weight ``W``; token-mean loss, as TRL's
-    ``loss_type="vespo"`` normalises it. Defaults are TRL's.
+    Shen et al. 2026, "VESPO: Variational Sequence-Level Soft Policy Optimization" (arXiv 2602.10693). The weight is
+    ``W^k exp(lambda (1 - W))`` of the sequence importance weight ``W``; token-mean loss, as TRL's ``loss_type="vespo"``
+    normalises it. Defaults are TRL's.
 
     Args:
         k_pos, lambda_pos: kernel shape and rate where the sequence advantage is >= 0.
@@ -198,12 +198,13 @@ class VESPO(Algorithm):
 class DPPO(Algorithm):
     """DPPO: a trust region on a divergence estimate between ``pi`` and ``pi_old`` instead of on the ratio.
 
-    The estimate is taken at each position (seed 002's binary and top-k TV/KL masks); token-mean loss (our
-    choice; the seeds give none).
+    Divergence proximal policy optimisation: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement
+    Learning" (arXiv 2602.04879). The estimate is taken at each position (the paper's binary and top-k TV/KL
+    approximations); token-mean loss (our choice; the sources we read give none).
 
     Args:
         mode: ``binary_tv``, ``binary_kl``, ``topk_tv`` or ``topk_kl``.
-        threshold: the trust-region radius ``delta`` (no default: the seeds give none).
+        threshold: the trust-region radius ``delta`` (no default: the sources we read give none).
         top_k: old-policy tokens with a bin of their own in the ``topk_*`` modes.
         advantage_norm: divide the centred reward by the ``group``'s std or the whole ``batch``'s.
     """
@@ -224,9 +225,10 @@ class DPPO(Algorithm):
 
 
 class GOPO(Algorithm):
-    """GOPO (group ordinal policy optimisation, seed 002): advantages from each completion's rank in its group.
+    """GOPO (group ordinal policy optimisation): advantages from each completion's rank in its group.
 
-    The ranks are mapped linearly onto ``[-1, 1]``, under PPO's clipped objective; sequence-mean loss as GRPO.
+    Choi et al. 2026, "GOPO: Policy Optimization using Ranked Rewards" (arXiv 2602.03876). The ranks are mapped linearly
+    onto ``[-1, 1]``, under PPO's clipped objective; sequence-mean loss as GRPO.
 
     Args:
         clip_low: lower clip distance (ratio >= 1 - clip_low).
