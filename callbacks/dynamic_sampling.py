@@ -134,11 +134,18 @@ class DynamicSampling(RolloutCallback):
         if step["exhausted"] and not self.warned:  # once: a filter that runs out often would warn every step
             self.warned = True
             action = "skipping the step" if step["skip"] else f"training on {step['held']}"
+            advice = (
+                "Raise max_rounds or the batch size to fill the step."
+                if step["held"]
+                else "Not one group had rewards that differ: more rounds will not help if the reward is the same for "
+                "every completion (check the reward functions' reward/* metrics) or every prompt is far too hard "
+                "or too easy for the model."
+            )
             rank_zero_warn(
                 f"DynamicSampling: step {trainer.global_step}: {step['held']} of {step['target']} informative groups "
                 f"after {step['rounds']} extra rounds ({step['groups_drawn']} groups drawn, {step['groups_dropped']} "
-                f"with all rewards equal); {action}. Raise max_rounds or the batch size to fill the step. Later steps "
-                "that run out are not warned about: dynamic_sampling/exhausted counts them."
+                f"with all rewards equal); {action}. {advice} Later steps that run out are not warned about: "
+                "dynamic_sampling/exhausted counts them."
             )
         logged = {key: step[key] for key in (*count, "rounds", "exhausted")}
         self._log({**logged, "groups_kept": 0 if step["skip"] else step["held"]})

@@ -121,7 +121,9 @@ def test_atol_decides_what_counts_as_equal():
 def test_running_out_with_train_trains_on_fewer_groups_and_warns_with_the_counts():
     module = FakeModule(make_rollout([[0, 0], [1, 1], [0, 1]], tag="b"), make_rollout([[1, 1]] * 3, tag="c"))
     callback = DynamicSampling(max_rounds=2)
-    with pytest.warns(UserWarning, match=r"step 7: 2 of 3 informative groups after 2 extra rounds \(9 groups drawn"):
+    with pytest.warns(
+        UserWarning, match=r"step 7: 2 of 3 informative groups after 2 extra rounds \(9 groups drawn.*Raise"
+    ):
         out = rollout_end(callback, module, make_rollout([[0, 1], [1, 1], [2, 2]]))
     assert list(groups_by_prompt(out)) == ["0", "b2"]
     assert module.logged["exhausted"] == 1 and module.logged["groups_kept"] == 2 and module.logged["rounds"] == 2
@@ -143,9 +145,10 @@ def test_running_out_with_skip_returns_an_empty_rollout():
 
 def test_no_informative_group_at_all_skips_even_with_train():
     module = FakeModule(make_rollout([[0, 0], [1, 1]]))
-    with pytest.warns(UserWarning, match="0 of 2 informative groups.*skipping the step"):
+    with pytest.warns(UserWarning, match="0 of 2 informative groups.*skipping the step. Not one group had") as seen:
         out = rollout_end(DynamicSampling(max_rounds=1), module, make_rollout([[1, 1], [0, 0]]))
     assert len(out) == 0
+    assert "Raise max_rounds" not in str(seen[0].message)  # more rounds cannot help a constant reward
 
 
 def test_running_totals_are_logged_and_restored_from_state_dict():
