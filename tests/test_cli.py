@@ -125,7 +125,7 @@ def test_a_slip_in_a_part_of_ones_own_names_where_it_was_raised(root, tmp_path, 
 def test_an_error_of_gpos_own_callbacks_is_not_placed_in_the_users_code(monkeypatch):
     """From a checkout (an editable install), gpo.callbacks' files lie under the working directory, outside gpo/."""
     from gpo.callbacks import DynamicSampling
-    from gpo.cli.errors import raised_in_user_code
+    from gpo.cli.blame import raised_in_user_code
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     with pytest.raises(ValueError) as refused:

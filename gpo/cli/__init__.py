@@ -11,8 +11,9 @@ import sys
 from jsonargparse import ArgumentError
 
 from gpo import lazy_exports
+from gpo.cli.blame import raised_in_user_code, with_owner
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
-from gpo.cli.errors import explain, raised_in_user_code, setup_steps, with_owner
+from gpo.cli.errors import explain, setup_steps
 from gpo.cli.helptext import SUBCOMMANDS
 from gpo.cli.shipped import config_files, with_shipped_configs
 from gpo.suggest import did_you_mean

@@ -11,9 +11,7 @@ import ast
 import importlib
 import inspect
 import itertools
-import os
 import re
-import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -21,62 +19,8 @@ from typing import Any
 
 import yaml
 
+from gpo.cli.moved import ELSEWHERE_KEYS, MOVED_KEYS, MOVED_PATHS, REPLACED_KEYS
 from gpo.suggest import did_you_mean
-
-#: Settings that moved, by their old key: where each went.
-MOVED_KEYS: dict[str, str] = {
-    "model.knobs": "a preset takes its own settings now, e.g. model.algorithm: {class_path: GRPO, init_args: "
-    "{ppo_clip: {clip_low: 0.2}}} (configs/<preset>.yaml show each preset's)",
-    "model.gate": "parts are combined with model.algorithm: {class_path: Custom, init_args: {advantage: ..., gate: "
-    "..., aggregator: ...}}, or changed through a preset's own settings",
-    "model.advantage": "parts are combined with model.algorithm: {class_path: Custom, init_args: {advantage: ...}}",
-    "model.aggregator": "parts are combined with model.algorithm: {class_path: Custom, init_args: {aggregator: ...}}",
-    "model.export": "export is a top-level setting now: export: none (merged, adapter or none)",
-    "model.mask_truncated_completions": "overlong filtering is a token weight now: model.token_weights: "
-    "[gpo.algo.OverlongFilter]",
-    "model.engine.init_args.step_rewards_mode": "step rewards are an advantage part now: model.step_rewards: "
-    "{mode: decision_stepwise, beta: 1.0}",
-    "model.engine.init_args.step_rewards_beta": "step rewards are an advantage part now: model.step_rewards: "
-    "{mode: decision_stepwise, beta: 1.0}",
-    **{
-        f"model.engine.init_args.{name}": f"engines take one sampling argument now: "
-        f"model.engine.init_args.sampling.{name}"
-        for name in ("temperature", "top_p", "top_k", "max_new_tokens")
-    },
-}
-
-#: Import paths that moved: old -> new.
-MOVED_PATHS: dict[str, str] = {
-    "gpo.envs.env_reward": "gpo.rewards.env_reward",
-    "gpo.envs.JudgeReward": "gpo.rewards.JudgeReward",
-    "gpo.envs.judge_app": "gpo.rewards.judge_app",
-    "gpo.strategies.FullyShardedStrategy": "gpo.parallel.fsdp.FullyShardedStrategy",
-    "gpo.module.GPOModule": "gpo.train.module.GPOModule",
-    "gpo.data.PromptDataModule": "gpo.train.data.PromptDataModule",
-    "gpo.algo.SoftOverlongPunishment": "gpo.rewards.SoftOverlongPunishment (a reward function now)",
-    "gpo.algo.DuplicatePenalty": "gpo.rewards.DuplicatePenalty (a reward function now)",
-    "gpo.algo.AlgorithmKnobs": "the preset classes' own settings (gpo.algo.GRPO, DAPO, ...)",
-}
-
-#: LightningCLI settings that ``gpo fit`` does not offer, by key: what sets the same thing in gpo.
-REPLACED_KEYS: dict[str, str] = {
-    "optimizer": "gpo fit has no optimizer setting: the optimiser is AdamW, set by model.optim (lr, weight_decay, "
-    "max_grad_norm), e.g. --model.optim.lr=1e-5",
-    "lr_scheduler": "gpo fit has no lr_scheduler setting: the schedule is model.optim.lr_schedule (constant, linear "
-    "or cosine) with model.optim.warmup_steps",
-}
-
-#: Settings of other trainers, by the key a user coming from one writes: where gpo keeps the same thing.
-ELSEWHERE_KEYS: dict[str, str] = {
-    "model.evaluation.every_n_iters": "evaluations are scheduled by the trainer: trainer.val_check_interval: N "
-    "(training batches) with trainer.check_val_every_n_epoch: null",
-    "model.weight_sync_interval": "weight sync is a callback: trainer.callbacks: [{class_path: "
-    "gpo.callbacks.VLLMWeightSync, init_args: {weight_sync_interval: N}}]",
-    "model.step_rewards_mode": "model.step_rewards: {mode: decision_stepwise, beta: 1.0}",
-    "model.step_rewards_beta": "model.step_rewards: {mode: decision_stepwise, beta: 1.0}",
-    "model.reward_blend": "model.mixer: {class_path: gpo.algo.EnvEventOutcomeBlend, init_args: {env, event, outcome}}",
-    "data.episodes_per_batch": "episodes per step are data.prompts_per_step x model.group_size",
-}
 
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "seed_everything", "ckpt_path", "export", "config", "print_config")
@@ -111,12 +55,6 @@ _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
 #: What ``_lookup`` returns for a key a config does not set (None is a value a config may set).
 _MISSING = object()
-
-
-#: Classes whose refusals name their settings by their full key already, or that only run others.
-NAMED_BY_KEY = ("GPOModule", "PromptDataModule", "GPOCLI")
-#: A message that opens with a setting's full key (model.optim.lr=-1.0 ...) says whose it is already.
-FULL_KEY = re.compile(r"(model|data|trainer)\.[\w.]+")
 
 
 def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
@@ -449,64 +387,3 @@ def _lookup(tree: Any, parts: list[str]) -> Any:
             return _lookup(init_args, parts[index:]) if isinstance(init_args, dict) else _MISSING
         tree = tree[part]
     return tree
-
-
-def refusing_class(error: BaseException) -> str | None:
-    """The configured class whose constructor raised ``error`` at its root (the outermost ``__init__`` of a
-    configured part, ``is_configured_part``, in the first exception of the chain), unless it is one whose messages name
-    their full key already: a part's own check, e.g. ``dual_clip=0.5 must be > 1``, says which setting but not
-    whose."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    owner, trace = None, error.__traceback__
-    while trace is not None:
-        instance = trace.tb_frame.f_locals.get("self") if trace.tb_frame.f_code.co_name == "__init__" else None
-        if instance is not None and is_configured_part(type(instance)):
-            owner = type(instance).__name__
-            break  # the outermost: DAPO, not the ClipGate it builds
-        trace = trace.tb_next
-    return None if owner in NAMED_BY_KEY else owner
-
-
-def is_configured_part(cls: type) -> bool:
-    """Whether ``cls`` is gpo's or the user's own (a module under the working directory), not a library's."""
-    if is_gpos_module(cls.__module__):
-        return True
-    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return source is not None and is_users_file(source)
-
-
-def raised_in_user_code(error: BaseException) -> str | None:
-    """Where the first error of ``error``'s chain was raised in the user's own code (a module outside gpo, from a
-    file of theirs: ``is_users_file``), as ``parts.py:9 in Mine.__call__``: the deepest such frame, so a slip in a
-    part or reward of one's own is found without a traceback. None when no frame of it is the user's."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    where, trace = None, error.__traceback__
-    while trace is not None:
-        frame, code = trace.tb_frame, trace.tb_frame.f_code
-        if not is_gpos_module(frame.f_globals.get("__name__", "")) and is_users_file(code.co_filename):
-            function = code.co_qualname if sys.version_info >= (3, 11) else code.co_name  # co_qualname: 3.11 on
-            where = f"{os.path.relpath(code.co_filename)}:{trace.tb_lineno} in {function}"
-        trace = trace.tb_next
-    return where
-
-
-def is_gpos_module(name: str) -> bool:
-    """A module of gpo's own (its callbacks too, wherever an editable install keeps their files)."""
-    return name == "gpo" or name.startswith("gpo.")
-
-
-def is_users_file(filename: str) -> bool:
-    """A Python file under the working directory that no installed package holds (a compiled module's frames name
-    a bare ``.pyx`` file, which is not one)."""
-    path = Path(filename).resolve()
-    installed = "site-packages" in path.parts
-    return path.suffix == ".py" and path.is_file() and path.is_relative_to(Path.cwd()) and not installed
-
-
-def with_owner(text: str, error: BaseException) -> str:
-    """``text``, the account of ``error``, opened by the class that refused the value (``refusing_class``) unless
-    it names it or the setting's full key already: ``ClipGate: dual_clip=0.5 must be > 1``."""
-    owner = refusing_class(error)
-    return f"{owner}: {text}" if owner is not None and owner not in text and not FULL_KEY.match(text) else text
