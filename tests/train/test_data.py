@@ -5,7 +5,8 @@ import pytest
 
 from gpo.tasks import Arithmetic
 from gpo.testing import save_tiny_model
-from gpo.train.data import PromptDataModule, load_records
+from gpo.train.data import PromptDataModule
+from gpo.train.records import load_records
 
 ROWS = [{"prompt": "12=", "answer": "12", "level": 1}, {"prompt": "31=", "answer": "13", "level": 2}]
 
