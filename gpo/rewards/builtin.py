@@ -17,7 +17,7 @@ Reward = TypeVar("Reward", bound=Callable[..., Any])
 
 def needs_columns(*names: str) -> Callable[[Reward], Reward]:
     """Declare the dataset columns a reward reads from ``**columns`` (as ``fn.required_columns``), so a run whose
-    dataset lacks one fails in setup, before any sampling (see ``gpo.train.preflight.required_columns``)."""
+    dataset lacks one fails in setup, before any sampling (see ``gpo.rewards.signature.required_columns``)."""
 
     def declare(fn: Reward) -> Reward:
         fn.required_columns = names
