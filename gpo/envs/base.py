@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
@@ -78,8 +80,30 @@ class LocalEpisodes(Episodes):
         return episode, episode.reset(seed, task)
 
     async def step(self, episode: Environment, action: str, turn: int) -> Step:
-        observation, reward, done, info = episode.step(action)
-        return Step(str(observation), float(reward), bool(done), dict(info))
+        return checked_step(episode.step(action), type(episode).__name__)
 
     async def close(self, episode: Environment) -> None:
         episode.close()
+
+
+def checked_step(answer: Any, env_name: str) -> Step:
+    """``answer``, what ``env_name.step`` returned, as a ``Step``; refused, naming the field, where it is not one
+    (``done="false"`` would read as true and a reward of ``"1"`` as a number, as a task app's answer may not either).
+    A reward may be any finite real number (numpy's too), ``info`` None for none."""
+    try:
+        observation, reward, done, info = answer
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{env_name}.step returned {answer!r:.80}; return gpo.envs.Step(observation, reward, done, info)."
+        ) from None
+    if not isinstance(observation, str):
+        problem = f"observation={observation!r:.60} must be a str ('' for none)"
+    elif isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        problem = f"reward={reward!r:.60} must be a finite number (convert a tensor with float(...))"
+    elif not isinstance(done, bool):
+        problem = f"done={done!r:.60} must be True or False (convert a numpy or tensor value with bool(...))"
+    elif not isinstance(info, dict | None):
+        problem = f"info={info!r:.60} must be a dict (or None)"
+    else:
+        return Step(observation, float(reward), done, info or {})
+    raise TypeError(f"{env_name}.step returned {problem}.")

@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpo.envs.base import Environment, Step
+from gpo.envs.base import Environment, Step, checked_step
 from gpo.envs.http import (
     DEFAULT_MAX_BODY_BYTES,
     add_service_arguments,
@@ -117,10 +117,10 @@ def make_app(
             state = "is done" if episode.last is not None and episode.last.done else f"expects turn {episode.turns}"
             raise json_error(web.HTTPConflict, f"episode {episode_id!r} {state}; got turn {turn}")
         try:
-            observation, reward, done, info = episode.env.step(body["action"])
+            answer = episode.env.step(body["action"])
         except ValueError as exc:
             raise _unusable("action", exc) from exc
-        episode.last, episode.turns = Step(str(observation), float(reward), bool(done), dict(info)), turn + 1
+        episode.last, episode.turns = checked_step(answer, type(episode.env).__name__), turn + 1
         return web.json_response(episode.last._asdict())
 
     @routes.delete("/episodes/{id}")

@@ -181,3 +181,38 @@ def test_a_kl_penalty_in_the_reward_sums_over_the_policys_tokens_only(model_and_
     k3 = kl_estimate(logp.double(), scorer.reference_logp(rollout).double(), "k3")
     expected = -0.5 * (k3 * rollout.loss_mask).sum(-1)
     torch.testing.assert_close(penalised.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (("ok", 0.5, "false", {}), r"Answers.step returned done='false' must be True or False"),
+        (("ok", "1.0", False, {}), r"reward='1.0' must be a finite number"),
+        (("ok", True, False, {}), r"reward=True must be a finite number"),
+        (("ok", float("nan"), False, {}), r"reward=nan must be a finite number"),
+        ((None, 0.0, False, {}), r"observation=None must be a str"),
+        (("ok", 0.0, False, "x"), r"info='x' must be a dict"),
+        (("ok", 0.0), r"Answers.step returned \('ok', 0.0\); return gpo.envs.Step\(observation, reward, done, info\)"),
+    ],
+)
+def test_a_step_answer_that_is_not_a_step_is_refused_naming_the_field(model_and_tokenizer, answer, message):
+    # done="false" would read as true (the episode ending after one turn); a reward "1.0" as a number
+    class Answers(Echo):
+        def step(self, action):
+            return answer
+
+    e, _ = engine(model_and_tokenizer, Answers(), max_turns=3)
+    with pytest.raises(TypeError, match=message):
+        e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
+
+
+def test_a_step_answer_may_hold_numpy_numbers_and_no_info(model_and_tokenizer):
+    np = pytest.importorskip("numpy")
+
+    class Numpy(Echo):
+        def step(self, action):
+            return "ok\n", np.float32(0.5), False, None
+
+    e, _ = engine(model_and_tokenizer, Numpy(), max_turns=2)
+    rollout = e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
+    assert rollout.fields["env_return"] == [1.0, 1.0]
