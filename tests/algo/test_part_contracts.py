@@ -9,9 +9,12 @@ from gpo.algo import (
     ClipGate,
     Custom,
     GroupNormAdvantage,
+    HighEntropyMask,
     NoGate,
+    OverlongFilter,
     RatioGate,
     SequenceMean,
+    TokenMask,
     TokenMean,
 )
 from gpo.algo.objective import PolicyObjective
@@ -124,3 +127,59 @@ def test_an_advantage_of_the_wrong_shape_is_refused_by_name():
     rollout.scores = rollout.reward[:, None]
     with pytest.raises(ValueError, match=r"PerSequence returned \[4\]; .* adv\[B, T\] = \[4, 3\], one per token"):
         StepCredit(PerSequence(), None)(rollout, rollout.completion_mask.float())
+
+
+class FloatKeep(TokenMask):
+    requires = frozenset({"adv"})
+
+    def __call__(self, mask, *, adv):
+        return mask * 1.0, {}  # float, not bool
+
+
+class PerRowKeep(TokenMask):
+    requires = frozenset({"adv"})
+
+    def __call__(self, mask, *, adv):
+        return adv[:, 0] > 0, {}  # [B], not [B, T]
+
+
+class ReadsLogpUnasked(TokenMask):
+    def __call__(self, mask, *, logp):  # reads logp without naming it in requires
+        return mask > 0, {}
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (FloatKeep(), r"the token mask FloatKeep returned keep of dtype torch.float32 and shape \[4, 3\]; .* one bool "
+         r"per token, \[B, T\] = \[4, 3\]"),
+        (PerRowKeep(), r"the token mask PerRowKeep returned keep of dtype torch.bool and shape \[4\]"),
+    ],
+)  # fmt: skip
+def test_a_mask_output_outside_the_contract_is_refused_by_name(mask, message):
+    _, _, adv, mask_tensor = step_tensors()
+    objective = PolicyObjective(NoGate(), SequenceMean(), masks=[mask])
+    with pytest.raises(ValueError, match=message):
+        objective.step_mask(mask_tensor.float(), adv)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"masks": HighEntropyMask()}, r"masks=HighEntropyMask\(...\) is not a list; give a list of parts: "
+         r"masks=\[HighEntropyMask\(...\)\]"),
+        ({"masks": [ClipGate()]}, r"masks\[0\]=ClipGate\(...\): masks take gpo.algo.TokenMask parts; ClipGate is a "
+         r"gpo.algo.RatioGate, which goes in the algorithm \(Custom\(gate=\)\)"),
+        ({"masks": [OverlongFilter()]}, r"masks\[0\]=OverlongFilter\(...\): .* is a gpo.algo.TokenWeight, which goes "
+         r"in token_weights"),
+        ({"token_weights": [HighEntropyMask()]}, r"token_weights\[0\]=HighEntropyMask\(...\): token_weights take "
+         r"gpo.algo.TokenWeight parts; HighEntropyMask is a gpo.algo.TokenMask, which goes in masks"),
+        ({"masks": [HighEntropyMask]}, r"masks\[0\]: give an instance, HighEntropyMask\(...\), not the class"),
+        ({"masks": [ReadsLogpUnasked()]}, r"masks\[0\]=ReadsLogpUnasked\(...\): ReadsLogpUnasked.__call__ is given "
+         r"\(mask\), the inputs its requires names \(none\), but missing a required argument: 'logp'; name in "
+         r"requires each input it reads"),
+    ],
+)  # fmt: skip
+def test_token_parts_of_the_wrong_kind_or_signature_are_refused_when_the_objective_is_built(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        PolicyObjective(NoGate(), SequenceMean(), **kwargs)
