@@ -305,6 +305,28 @@ def test_a_preset_name_with_settings_or_a_misspelt_preset_class_says_what_to_wri
     assert f"Expected a dot import path string: DAPOO\n(set in {bad})\ndid you mean DAPO?" in err, err
 
 
+def test_a_part_set_on_a_preset_points_to_custom_not_to_the_preset_class(capsys):
+    # the preset class has no gate setting either: following "choose its class" would fail a second time
+    err = fit_error(capsys, "--model.algorithm.gate=gpo.algo.ClipGate")
+    assert "compose the parts: --model.algorithm Custom --model.algorithm.gate VALUE" in err, err
+    assert "--model.algorithm GRPO" not in err, err
+
+
+@pytest.mark.parametrize("key", ["masks", "token_weights"])
+def test_one_part_given_to_a_list_setting_says_how_to_give_a_list(capsys, key):
+    path = "gpo.algo.HighEntropyMask" if key == "masks" else "gpo.algo.OverlongFilter"
+    err = fit_error(capsys, f"--model.{key}={path}")
+    assert f"model.{key} takes a list of parts: --model.{key}+={path} (once per part), or [{path}] in YAML." in err
+    assert "does not take" not in err, err
+
+
+def test_an_error_in_an_environments_settings_adds_no_line_about_the_other_union_member(capsys):
+    # env takes an Environment or an Episodes: the Episodes branch's refusal of NumberGuess is no news
+    err = fit_error(capsys, "--model.engine=gpo.rollout.MultiTurnEngine", "--model.engine.env=gpo.envs.NumberGuess",
+                    "--model.engine.env.high=x")  # fmt: skip
+    assert "model.engine.env.high: Expected a int. Got value: x" in err and "does not take" not in err, err
+
+
 def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
     err = fit_error(capsys, "--model.algorithm", "DRO")
     assert "the following arguments are required: beta" in err, err

@@ -13,7 +13,7 @@ import inspect
 import itertools
 import re
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ _NOT_ACCEPTED = re.compile(
 )
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+_CLASS_PATH = re.compile(r"<class '([\w.]+)'>")
 _LITERAL = re.compile(r"typing\.Literal\[(.*?)\]")
 _SUBTYPES = re.compile(r"Subtypes: \[(.*)\]$", re.MULTILINE)  # a union's member types
 _EXPECTED = re.compile(r"Expected a (.*?)(?:\. Got value|$)", re.MULTILINE)
@@ -88,7 +89,7 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         lines.extend(_hints(key, known))
     if key is not None and key.startswith("model.algorithm"):
         lines.extend(_algorithm_hints(key, message))
-    lines.extend(_class_hints(message, key))
+    lines.extend(_class_hints(message, key, known))
     return "\n".join([*lines, *moved])
 
 
@@ -228,6 +229,7 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
     or a class that does not exist: the class to write instead; a class without a setting it has no default for: the
     flag to give (and for a preset, its shipped config, which sets one)."""
     from gpo.algo.presets import ALGORITHMS, PRESETS
+    from gpo.algo.presets.base import SLOTS
 
     required = _REQUIRED.search(message)
     if required:
@@ -243,20 +245,27 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
         return []
     name, nested = named.group(1), _NESTED.search(message)
     if name in ALGORITHMS and nested:
-        cls = ALGORITHMS[name].__name__
+        setting, cls = nested.group(1), ALGORITHMS[name]
+        if setting in SLOTS and setting not in inspect.signature(cls).parameters:  # a part: only Custom takes one
+            return [
+                f"{name} is a preset, whose parts follow its rules; to choose the {setting} yourself, compose the "
+                f"parts: --model.algorithm Custom --model.algorithm.{setting} VALUE (the other parts default to "
+                f"GRPO's; class_path: Custom in YAML)."
+            ]
         return [
             f"{name} is a preset by name, with its defaults; to change a setting choose its class: "
-            f"--model.algorithm {cls} --model.algorithm.{nested.group(1)} VALUE (or class_path: {cls} in YAML)."
+            f"--model.algorithm {cls.__name__} --model.algorithm.{setting} VALUE (or class_path: {cls.__name__} in "
+            "YAML)."
         ]
     guess = did_you_mean(name, [cls.__name__ for cls in PRESETS])
     return [guess] if guess else []
 
 
-def _class_hints(message: str, key: str | None) -> list[str]:
+def _class_hints(message: str, key: str | None, known: Mapping[str, Any]) -> list[str]:
     """Why a ``class_path`` was not taken (for the setting ``key``): a misspelt class (the closest name in its
-    module), an abstract class (the methods it lacks), a class of another kind (the gpo part it is, and the setting
-    beside ``key`` that takes it); or, when jsonargparse fell back to the setting's abstract type, a class_path block
-    whose keys it did not read."""
+    module), an abstract class (the methods it lacks), one part given to a setting that takes a list of them, a class
+    of another kind (the gpo part it is, and the setting beside ``key`` that takes it); or, when jsonargparse fell
+    back to the setting's abstract type, a class_path block whose keys it did not read."""
     found = next(filter(None, (pattern.search(message) for pattern in _UNTAKEN_CLASS)), None)
     if found is None:
         abstract = _ABSTRACT_TYPE.search(message)
@@ -273,6 +282,11 @@ def _class_hints(message: str, key: str | None) -> list[str]:
         return [f"{path} is not a class."]
     if inspect.isabstract(cls):
         return [f"{cls.__name__} is abstract: it does not implement {', '.join(sorted(cls.__abstractmethods__))}."]
+    if key is not None and _takes_a_list_of(cls, key, known):
+        shown = key.replace(".init_args.", ".")
+        return [f"{shown} takes a list of parts: --{shown}+={path} (once per part), or [{path}] in YAML."]
+    if any(issubclass(cls, member) for member in _union_members(message)):
+        return []  # the setting takes it: the union's other member refused it, and the error lies in its settings
     from gpo.algo.state import PartState  # every part's base, not a kind: imported on this error's path only
 
     kinds = [base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("gpo.") and base is not PartState]
@@ -281,6 +295,25 @@ def _class_hints(message: str, key: str | None) -> list[str]:
     slot = _setting_taking(cls, key, message) if key is not None else None
     instead = f"; did you mean {slot}?" if slot is not None else "."
     return [f"{cls.__name__} is a gpo {kinds[-1]}, which this setting does not take{instead}"]
+
+
+def _union_members(message: str) -> list[type]:
+    """The classes of the union a setting's value was tried against (``Subtypes: [...]``), as far as they import."""
+    listed = _SUBTYPES.search(message)
+    members = (_import(path) for path in _CLASS_PATH.findall(listed.group(1))) if listed else ()
+    return [member for member in members if inspect.isclass(member)]
+
+
+def _takes_a_list_of(cls: type, key: str, known: Mapping[str, Any]) -> bool:
+    """Whether the setting ``key`` of a ``known`` group is a list of parts of ``cls``'s kind (``model.masks``)."""
+    group, _, name = key.replace(".init_args.", ".").rpartition(".")
+    owner = known.get(group)
+    try:
+        hint = typing.get_type_hints(owner.__init__).get(name) if owner is not None else None
+    except (NameError, TypeError):  # annotations that do not resolve: nothing to read them by
+        return False
+    items = typing.get_args(hint) if typing.get_origin(hint) in (Sequence, list, tuple) else ()
+    return len(items) == 1 and inspect.isclass(items[0]) and issubclass(cls, items[0])
 
 
 def _setting_taking(cls: type, key: str, message: str) -> str | None:
