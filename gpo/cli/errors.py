@@ -300,7 +300,8 @@ def _class_hints(message: str, key: str | None, known: Mapping[str, Any]) -> lis
 def _union_members(message: str) -> list[type]:
     """The classes of the union a setting's value was tried against (``Subtypes: [...]``), as far as they import."""
     listed = _SUBTYPES.search(message)
-    members = (_import(path) for path in _CLASS_PATH.findall(listed.group(1))) if listed else ()
+    paths = [path for path in _CLASS_PATH.findall(listed.group(1)) if "." in path] if listed else []  # not builtins
+    members = (_import(path) for path in paths)
     return [member for member in members if inspect.isclass(member)]
 
 
