@@ -94,13 +94,28 @@ def changed_keys(saved: dict[str, str], current: dict[str, str]) -> list[str]:
 
 def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: str) -> None:
     """Refuse to resume a checkpoint written under another model or algorithm, naming each difference."""
-    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in changed_keys(saved, current)]
+    changed = changed_keys(saved, current)
+    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in changed]
     if differences:
+        same_class = [saved[key].partition("(")[0] for key in changed if key in PART_KEYS
+                      and saved[key].partition("(")[0] == current[key].partition("(")[0]]  # fmt: skip
+        learnt = (
+            f" If {same_class[0]} is a part of your own that changes a public attribute as it runs, that attribute is "
+            "its state, not a setting: return it from state_dict() and take it back in load_state_dict() "
+            "(gpo.algo.state.PartState), or name it with a leading underscore."
+            if same_class
+            else ""
+        )
         raise ValueError(
             f"{checkpoint} was written by another run ({'; '.join(differences)}): resuming would continue its weights "
             "under this configuration. Resume with the configuration that wrote it (saved as config.yaml in the run's "
             "lightning_logs/version_N folder), or start this run in another folder (--trainer.default_root_dir DIR)."
+            + learnt
         )
+
+
+#: The keys of ``describe_run`` that describe an algorithm part (``describe``).
+PART_KEYS = ("advantage", "gate", "aggregator")
 
 
 #: What in ``describe_run`` decides the weights' names and shapes.

@@ -14,6 +14,7 @@ import torch
 from gpo.algo import AdvantageEstimator, Custom
 from gpo.callbacks import ResumeCheckpoint
 from gpo.train.checkpointing import RunLock
+from gpo.train.run_state import check_same_run
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
@@ -197,3 +198,15 @@ def test_a_part_with_state_resumes_from_it_and_its_state_is_not_taken_for_a_sett
     assert resumed.credit.advantage.baseline == whole.credit.advantage.baseline != 0.0
     for (name, a), b in zip(whole.policy.named_parameters(), resumed.policy.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_part_of_one_class_described_otherwise_is_told_a_changing_attribute_is_state_not_a_setting():
+    # RunningBaseline without its state_dict: its baseline, a public attribute, reads as a setting that changed
+    saved = {"advantage": "RunningBaseline(baseline=0.25, decay=0.5)", "group_size": "4"}
+    current = {"advantage": "RunningBaseline(baseline=0.0, decay=0.5)", "group_size": "4"}
+    hint = r"If RunningBaseline is a part of your own that changes a public attribute as it runs, that attribute is"
+    with pytest.raises(ValueError, match=hint + r" its state, not a setting: return it from state_dict\(\)"):
+        check_same_run(saved, current, "last.ckpt")
+    with pytest.raises(ValueError) as refused:  # another part altogether: a configuration that differs
+        check_same_run({"gate": "ClipGate(clip_low=0.2)"}, {"gate": "NoGate()"}, "last.ckpt")
+    assert "public attribute" not in str(refused.value)
