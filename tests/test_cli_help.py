@@ -327,6 +327,20 @@ def test_an_error_in_an_environments_settings_adds_no_line_about_the_other_union
     assert "model.engine.env.high: Expected a int. Got value: x" in err and "does not take" not in err, err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--model.algorithm=Custom", "--model.algorithm.gate=nosuchmodule.Gate"),
+        ("--model.rewards+=nosuchmodule.bonus",),
+    ],
+    ids=["class", "function"],
+)
+def test_a_module_of_ones_own_not_found_says_where_modules_are_imported_from(capsys, args):
+    err = fit_error(capsys, *args)
+    assert f"imported from the working directory ({Path.cwd()}) and PYTHONPATH" in err, err
+    assert "run from the folder that holds nosuchmodule.py" in err, err
+
+
 def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
     err = fit_error(capsys, "--model.algorithm", "DRO")
     assert "the following arguments are required: beta" in err, err

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import itertools
+import os
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -196,7 +198,7 @@ def _unresolved_callable(reason: str, value: str) -> str:
     """A function or callable class (a reward) that ``value`` does not name: the path and why, with the closest name
     in its module when the module lacks it (not jsonargparse's ``Type collections.abc.Callable[...]`` text)."""
     missing = _NO_ATTRIBUTE.search(reason)
-    guess = _closest_in_module(*missing.groups(), callable) if missing else ""
+    guess = _closest_in_module(*missing.groups(), callable) if missing else _missing_module(value.rpartition(".")[0])
     return f"{value}: {reason}" + (f"; {guess}" if guess else "")
 
 
@@ -276,7 +278,7 @@ def _class_hints(message: str, key: str | None, known: Mapping[str, Any]) -> lis
         return []
     cls = _import(path)
     if cls is None:
-        guess = _closest_in_module(module_name, name, inspect.isclass)
+        guess = _closest_in_module(module_name, name, inspect.isclass) or _missing_module(module_name)
         return [guess] if guess else []
     if not inspect.isclass(cls):
         return [f"{path} is not a class."]
@@ -374,6 +376,18 @@ def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
     if guess:
         return [guess]
     return [f"{group} takes: {', '.join(choices)}."] if choices else []
+
+
+def _missing_module(module_name: str) -> str:
+    """Where the user's own modules are imported from, when the package of ``module_name`` is on no import path
+    (run from another folder, say); ``""`` when it is found."""
+    top = module_name.partition(".")[0]
+    if not top or importlib.util.find_spec(top) is not None:
+        return ""
+    return (
+        f"there is no module {top} on the import path: your own modules are imported from the working directory "
+        f"({os.getcwd()}) and PYTHONPATH; run from the folder that holds {top}.py, or add it to PYTHONPATH."
+    )
 
 
 def _import(path: str) -> Any:
