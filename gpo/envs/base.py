@@ -8,6 +8,9 @@ import numbers
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
+import numpy as np
+import torch
+
 
 class Step(NamedTuple):
     """What the environment answers to one action; unpacks like gym's ``obs, reward, done, info``."""
@@ -87,23 +90,32 @@ class LocalEpisodes(Episodes):
 
 
 def checked_step(answer: Any, env_name: str) -> Step:
-    """``answer``, what ``env_name.step`` returned, as a ``Step``; refused, naming the field, where it is not one
-    (``done="false"`` would read as true and a reward of ``"1"`` as a number, as a task app's answer may not either).
-    A reward may be any finite real number (numpy's too), ``info`` None for none."""
+    """``answer``, what ``env_name.step`` returned, as a ``Step`` of plain values; refused, naming the field, where it
+    is not one: ``done="false"`` would read as true and a reward of ``"1"`` as a number (a task app's answer is held to
+    the same). A numpy scalar or a one-element tensor stands for its value; ``info`` None for none (a dict is copied:
+    an environment may reuse one)."""
     try:
         observation, reward, done, info = answer
     except (TypeError, ValueError):
         raise TypeError(
             f"{env_name}.step returned {answer!r:.80}; return gpo.envs.Step(observation, reward, done, info)."
         ) from None
+    reward, done = _scalar(reward), _scalar(done)
     if not isinstance(observation, str):
         problem = f"observation={observation!r:.60} must be a str ('' for none)"
     elif isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        problem = f"reward={reward!r:.60} must be a finite number (convert a tensor with float(...))"
+        problem = f"reward={reward!r:.60} must be a finite number"
     elif not isinstance(done, bool):
-        problem = f"done={done!r:.60} must be True or False (convert a numpy or tensor value with bool(...))"
+        problem = f"done={done!r:.60} must be True or False"
     elif not isinstance(info, dict | None):
         problem = f"info={info!r:.60} must be a dict (or None)"
     else:
-        return Step(observation, float(reward), done, info or {})
+        return Step(observation, float(reward), done, dict(info) if info is not None else {})
     raise TypeError(f"{env_name}.step returned {problem}.")
+
+
+def _scalar(value: Any) -> Any:
+    """The Python value of a numpy scalar or a one-element tensor; anything else as it is."""
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value.item()
+    return value

@@ -120,7 +120,11 @@ def make_app(
             answer = episode.env.step(body["action"])
         except ValueError as exc:
             raise _unusable("action", exc) from exc
-        episode.last, episode.turns = checked_step(answer, type(episode.env).__name__), turn + 1
+        try:
+            step = checked_step(answer, type(episode.env).__name__)
+        except TypeError as exc:  # the served environment's fault: 422, not retried (a retry would step it again)
+            raise json_error(web.HTTPUnprocessableEntity, str(exc)) from exc
+        episode.last, episode.turns = step, turn + 1
         return web.json_response(episode.last._asdict())
 
     @routes.delete("/episodes/{id}")

@@ -206,13 +206,19 @@ def test_a_step_answer_that_is_not_a_step_is_refused_naming_the_field(model_and_
         e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
 
 
-def test_a_step_answer_may_hold_numpy_numbers_and_no_info(model_and_tokenizer):
-    np = pytest.importorskip("numpy")
+def test_a_step_answer_may_hold_numpy_or_tensor_scalars_and_its_info_is_copied(model_and_tokenizer):
+    import numpy as np
 
-    class Numpy(Echo):
+    class Scalars(Echo):
+        info: ClassVar[dict] = {"calls": 0}  # one dict, changed at every step
+
         def step(self, action):
-            return "ok\n", np.float32(0.5), False, None
+            self.turn += 1
+            Scalars.info["calls"] += 1
+            reward = np.float32(0.5) if self.turn == 1 else torch.tensor(0.25)
+            return "ok\n", reward, np.bool_(self.turn == 2), Scalars.info
 
-    e, _ = engine(model_and_tokenizer, Numpy(), max_turns=2)
-    rollout = e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
-    assert rollout.fields["env_return"] == [1.0, 1.0]
+    e, _ = engine(model_and_tokenizer, Scalars(), max_turns=3)
+    rollout = e.generate([char_tokenizer()("p").input_ids], 1, seed=0)
+    assert rollout.fields["env_return"] == [0.75] and rollout.fields["env_done"] == [True]
+    assert [turn["info"]["calls"] for turn in rollout.fields["turns"][0]] == [1, 2]  # each turn's own copy

@@ -180,6 +180,26 @@ def test_the_client_does_not_retry_a_refusal_and_says_what_was_refused():
     assert faults.count("POST", "/step") == 1
 
 
+class DoneAsText(NumberGuess):
+    def step(self, action: str):
+        return "higher\n", 0.0, "false", {}
+
+
+def test_a_served_environment_whose_step_answer_is_no_step_is_refused_once_naming_the_field():
+    # 422, not a retried 500: a retry would step the episode again, and the message reaches the trainer
+    faults = Faults(where="/step")
+
+    async def one_turn(url: str) -> None:
+        async with TaskApp(task_url=url, **FAST) as app:
+            episode, _ = await app.open(3, "guess 1-8:")
+            await app.step(episode, "4", 0)
+
+    refused = pytest.raises(TaskAppError, match=r"HTTP 422 \(not retried.*DoneAsText.step returned done='false'")
+    with serve(with_faults(make_app(DoneAsText()), faults)) as url, refused:
+        asyncio.run(one_turn(url))
+    assert faults.count("POST", "/step") == 1
+
+
 def test_with_a_token_the_app_refuses_requests_without_it_and_the_client_sends_it(model_and_tokenizer, monkeypatch):
     monkeypatch.delenv("GPO_TASK_APP_TOKEN", raising=False)
     create = {"seed": 3, "task": "t"}
