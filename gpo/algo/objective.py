@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 
@@ -10,6 +9,13 @@ import torch
 from torch import Tensor
 
 from gpo.algo.aggregators import LossAggregator
+from gpo.algo.contracts import (
+    check_requires,
+    check_token_parts,
+    checked_gate_output,
+    checked_mask_output,
+    checked_weight_output,
+)
 from gpo.algo.distillation import TeacherKL
 from gpo.algo.gates.base import Metrics, RatioGate
 from gpo.algo.masked import masked_mean
@@ -61,6 +67,7 @@ class PolicyObjective:
         masks: Sequence[TokenMask] = (),
         distill: TeacherKL | None = None,
     ) -> None:
+        check_requires(gate)
         check_token_parts(masks, token_weights)
         self.gate, self.aggregator, self.distill = gate, aggregator, distill
         self.kl = kl if kl is not None and kl.beta > 0 and kl.placement == "loss" else None
@@ -69,13 +76,6 @@ class PolicyObjective:
         self.scaling = [w for w in token_weights if not w.drops_tokens]
         self.step_masks = [m for m in masks if not m.per_update]
         self.update_masks = [m for m in masks if m.per_update]
-        for part in (gate, *masks, *token_weights):
-            if not isinstance(part.requires, frozenset | set):  # a string would be read as its characters
-                raise TypeError(f"{type(part).__name__}.requires={part.requires!r} must be a frozenset of input "
-                                "names, e.g. frozenset({'ref_logp'}) (docs/algorithms.md lists them).")  # fmt: skip
-        for field, parts in (("masks", masks), ("token_weights", token_weights)):
-            for index, part in enumerate(parts):
-                check_call(f"{field}[{index}]", part)
         weights_read = [w.requires for w in self.scaling]  # step inputs (a dropping weight reads the rollout's flags)
         distilled = distill.requires if distill is not None else set()
         needs = [gate.requires, *(m.requires for m in masks), distilled, *weights_read]
@@ -94,7 +94,7 @@ class PolicyObjective:
     def loss_mask(self, mask: Tensor, truncated: Tensor) -> Tensor:
         """``mask[B, T]`` with the tokens the dropping weights take out of the loss (and its normaliser) zeroed."""
         for weight in self.dropping:
-            mask = weight(mask, truncated=truncated)
+            mask = checked_weight_output(weight(mask, **_pick(weight, {"truncated": truncated})), weight, mask)
         return mask
 
     def step_mask(self, mask: Tensor, adv: Tensor, **inputs: Tensor) -> tuple[Tensor, Metrics]:
@@ -112,7 +112,7 @@ class PolicyObjective:
         """``adv[B, T]`` times every scaling weight (fixed for the step), 0 outside ``mask``; ``inputs`` as the
         weights require. Without scaling weights, ``adv`` itself."""
         for weight in self.scaling:
-            w = weight(mask, **{name: inputs[name] for name in weight.requires})
+            w = checked_weight_output(weight(mask, **_pick(weight, inputs)), weight, mask)
             adv = torch.where(mask.bool(), adv * w, 0.0)
         return adv
 
@@ -216,88 +216,7 @@ def combine_statistics(measured: list[Metrics]) -> Metrics:
     return out
 
 
-def checked_gate_output(out: object, gate: RatioGate, mask: Tensor, logp: Tensor) -> tuple[Tensor, Metrics]:
-    """``gate``'s output ``out`` if it keeps ``RatioGate.__call__``'s contract: ``(per_token_loss[B, T], metrics)``
-    with a loss that carries ``logp``'s gradient and 0-d tensors as metrics; else a ValueError naming the gate."""
-    name = f"the ratio gate {type(gate).__name__}"
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], dict)):
-        raise ValueError(f"{name} returned {type(out).__name__}; RatioGate.__call__ returns (per_token_loss[B, T], "
-                         "metrics), metrics a dict of detached 0-d tensors.")  # fmt: skip
-    loss, metrics = out
-    if loss.shape != mask.shape:
-        raise ValueError(f"{name} returned per_token_loss of shape {list(loss.shape)}; RatioGate.__call__ returns "
-                         f"one loss per token, [B, T] = {list(mask.shape)}.")  # fmt: skip
-    if torch.is_grad_enabled() and logp.requires_grad and not loss.requires_grad:
-        raise ValueError(f"{name} returned a per_token_loss without gradient (detached from logp): the policy would "
-                         "not learn from it.")  # fmt: skip
-    check_metrics(name, metrics)
-    return loss, metrics
-
-
-def checked_mask_output(out: object, token_mask: TokenMask, mask: Tensor) -> tuple[Tensor, Metrics]:
-    """``token_mask``'s output ``out`` if it keeps ``TokenMask.__call__``'s contract: ``(keep[B, T] bool, metrics)``
-    with 0-d tensors as metrics; else a ValueError naming the mask."""
-    name = f"the token mask {type(token_mask).__name__}"
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], dict)):
-        raise ValueError(f"{name} returned {type(out).__name__}; TokenMask.__call__ returns (keep[B, T] bool, "
-                         "metrics), metrics a dict of detached 0-d tensors.")  # fmt: skip
-    keep, metrics = out
-    if keep.dtype != torch.bool or keep.shape != mask.shape:
-        raise ValueError(
-            f"{name} returned keep of dtype {keep.dtype} and shape {list(keep.shape)}; TokenMask.__call__ returns "
-            f"one bool per token, [B, T] = {list(mask.shape)} (e.g. (mask > 0) & condition)."
-        )
-    check_metrics(name, metrics)
-    return keep, metrics
-
-
-def check_metrics(name: str, metrics: Metrics) -> None:
-    """Refuse a part's metrics that are not detached 0-d tensors (a tensor with a gradient would hold the step's
-    graph)."""
-    strays = sorted(key for key, value in metrics.items() if not isinstance(value, Tensor) or value.ndim != 0)
-    if strays:
-        raise ValueError(f"{name} returned metrics {strays} that are not 0-d tensors; give one detached value each.")
-    attached = sorted(key for key, value in metrics.items() if value.requires_grad)
-    if attached:
-        raise ValueError(f"{name} returned metrics {attached} that carry a gradient; give value.detach().")
-
-
-#: The list arguments of token parts: the kind of part each takes.
-TOKEN_PARTS: dict[str, type] = {"masks": TokenMask, "token_weights": TokenWeight}
-
-
-def check_token_parts(masks: Sequence[TokenMask], token_weights: Sequence[TokenWeight]) -> None:
-    """Refuse a ``masks`` or ``token_weights`` argument that is one part instead of a list, or holds a class, or a
-    part of another kind (found only at the first step otherwise, as an AttributeError)."""
-    for field, parts in (("masks", masks), ("token_weights", token_weights)):
-        if not isinstance(parts, Sequence):
-            name = type(parts).__name__
-            raise TypeError(f"{field}={name}(...) is not a list; give a list of parts: {field}=[{name}(...)].")
-        for index, part in enumerate(parts):
-            name = part.__name__ if isinstance(part, type) else type(part).__name__
-            if isinstance(part, type):
-                raise TypeError(f"{field}[{index}]: give an instance, {name}(...), not the class.")
-            if not isinstance(part, TOKEN_PARTS[field]):
-                places = {TokenMask: "masks", TokenWeight: "token_weights", RatioGate: "the algorithm (Custom(gate=))"}
-                kind = next((kind for kind in places if isinstance(part, kind)), None)
-                hint = f"; {name} is a gpo.algo.{kind.__name__}, which goes in {places[kind]}" if kind else ""
-                raise TypeError(f"{field}[{index}]={name}(...): {field} take gpo.algo.{TOKEN_PARTS[field].__name__} "
-                                f"parts{hint}.")  # fmt: skip
-
-
-def check_call(field: str, part: TokenMask | TokenWeight) -> None:
-    """Refuse a token part whose ``__call__`` cannot take ``(mask, **inputs)`` with the inputs its ``requires``
-    names, by keyword: what the objective passes it (found only at the first step otherwise)."""
-    named = sorted(part.requires)
-    try:
-        inspect.signature(part).bind("mask", **dict.fromkeys(named))
-    except TypeError as err:
-        name, given = type(part).__name__, ", ".join(["mask", *(f"{key}=" for key in named)])
-        raise TypeError(f"{field}={name}(...): {name}.__call__ is given ({given}), the inputs its requires names "
-                        f"({named or 'none'}), but {err}; name in requires each input it reads.") from None  # fmt: skip
-
-
-def _pick(part: RatioGate | TokenMask, given: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+def _pick(part: RatioGate | TokenMask | TokenWeight, given: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
     """The inputs ``part.requires`` from ``given``, refusing a missing one with its name."""
     missing = sorted(name for name in part.requires if given.get(name) is None)
     if missing:

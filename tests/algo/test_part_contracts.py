@@ -16,6 +16,7 @@ from gpo.algo import (
     SequenceMean,
     TokenMask,
     TokenMean,
+    TokenWeight,
 )
 from gpo.algo.objective import PolicyObjective
 from gpo.rollout.base import Rollout
@@ -48,7 +49,7 @@ class NeedsRouter(RatioGate):
         ({"gate": "ClipGate"}, r"Custom\(gate='ClipGate'\) takes a gpo.algo.RatioGate\.$"),
         ({"advantage": GroupNormAdvantage}, r"give an instance, GroupNormAdvantage\(...\), not the class"),
         ({"advantage": NoMask()}, r"NoMask.__call__ must take \(reward\[B\], group\[B\], mask\[B, T\]\)"),
-        ({"gate": NeedsRouter()}, r"NeedsRouter.__call__ must take \(logp\[B, T\], .*, mask\[B, T\], router_logp\)"),
+        ({"gate": NeedsRouter()}, r"NeedsRouter.__call__ must take \(logp\[B, T\], .*, mask\[B, T\], router_logp=\)"),
     ],
 )  # fmt: skip
 def test_custom_refuses_a_part_that_cannot_fill_its_slot(parts, message):
@@ -148,6 +149,33 @@ class ReadsLogpUnasked(TokenMask):
         return mask > 0, {}
 
 
+class AsksAdvTakesNone(TokenMask):
+    requires = frozenset({"adv"})
+
+    def __call__(self, mask):
+        return mask > 0, {}
+
+
+class DropsWithoutTruncated(TokenWeight):
+    requires = frozenset({"truncated"})
+    drops_tokens = True
+
+    def __call__(self, mask):
+        return mask
+
+
+class DropsByRef(TokenWeight):
+    requires = frozenset({"ref_logp"})
+    drops_tokens = True
+
+    def __call__(self, mask, *, ref_logp):
+        return mask
+
+
+class UnreadableCall(TokenMask):
+    __call__ = staticmethod(print)  # no signature to read: let through
+
+
 @pytest.mark.parametrize(
     ("mask", "message"),
     [
@@ -166,20 +194,60 @@ def test_a_mask_output_outside_the_contract_is_refused_by_name(mask, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"masks": HighEntropyMask()}, r"masks=HighEntropyMask\(...\) is not a list; give a list of parts: "
+        ({"masks": HighEntropyMask()}, r"masks=HighEntropyMask\(...\) is one part; give a list of parts: "
          r"masks=\[HighEntropyMask\(...\)\]"),
-        ({"masks": [ClipGate()]}, r"masks\[0\]=ClipGate\(...\): masks take gpo.algo.TokenMask parts; ClipGate is a "
-         r"gpo.algo.RatioGate, which goes in the algorithm \(Custom\(gate=\)\)"),
-        ({"masks": [OverlongFilter()]}, r"masks\[0\]=OverlongFilter\(...\): .* is a gpo.algo.TokenWeight, which goes "
-         r"in token_weights"),
-        ({"token_weights": [HighEntropyMask()]}, r"token_weights\[0\]=HighEntropyMask\(...\): token_weights take "
-         r"gpo.algo.TokenWeight parts; HighEntropyMask is a gpo.algo.TokenMask, which goes in masks"),
-        ({"masks": [HighEntropyMask]}, r"masks\[0\]: give an instance, HighEntropyMask\(...\), not the class"),
-        ({"masks": [ReadsLogpUnasked()]}, r"masks\[0\]=ReadsLogpUnasked\(...\): ReadsLogpUnasked.__call__ is given "
-         r"\(mask\), the inputs its requires names \(none\), but missing a required argument: 'logp'; name in "
-         r"requires each input it reads"),
+        ({"masks": {HighEntropyMask()}}, r"masks is a set; give a list of parts\.$"),
+        ({"masks": [ClipGate()]}, r"masks\[0\]=ClipGate\(...\) takes a gpo.algo.TokenMask; ClipGate is a "
+         r"gpo.algo.RatioGate: a gate goes in the algorithm, Custom\(gate=...\)\."),
+        ({"masks": [OverlongFilter()]}, r"masks\[0\]=OverlongFilter\(...\) takes .* is a gpo.algo.TokenWeight: did you "
+         r"mean token_weights=\?"),
+        ({"token_weights": [HighEntropyMask()]}, r"token_weights\[0\]=HighEntropyMask\(...\) takes a "
+         r"gpo.algo.TokenWeight; HighEntropyMask is a gpo.algo.TokenMask: did you mean masks=\?"),
+        ({"masks": [HighEntropyMask]}, r"masks\[0\]=HighEntropyMask: give an instance, HighEntropyMask\(...\), not "
+         r"the class"),
+        ({"masks": [ReadsLogpUnasked()]}, r"masks\[0\]=ReadsLogpUnasked\(...\): ReadsLogpUnasked.__call__ must take "
+         r"\(mask\): missing a required argument: 'logp'; the keyword arguments are what its requires names\."),
+        ({"masks": [AsksAdvTakesNone()]}, r"AsksAdvTakesNone.__call__ must take \(mask, adv=\): got an unexpected "
+         r"keyword argument 'adv'"),
+        ({"token_weights": [DropsWithoutTruncated()]}, r"DropsWithoutTruncated.__call__ must take \(mask, "
+         r"truncated=\)"),
+        ({"token_weights": [DropsByRef()]}, r"token_weights\[0\]=DropsByRef\(...\) drops tokens \(drops_tokens = "
+         r"True\) and requires \['ref_logp'\], but a dropping weight reads only \['truncated'\]"),
     ],
 )  # fmt: skip
 def test_token_parts_of_the_wrong_kind_or_signature_are_refused_when_the_objective_is_built(kwargs, message):
     with pytest.raises(TypeError, match=message):
         PolicyObjective(NoGate(), SequenceMean(), **kwargs)
+
+
+class PerUpdateFloat(TokenMask):
+    requires = frozenset({"logp"})  # a per-update mask: checked in each gradient pass
+
+    def __call__(self, mask, *, logp):
+        return (logp < 0).float(), {}
+
+
+class MetricPerToken(TokenMask):
+    requires = frozenset({"logp"})
+
+    def __call__(self, mask, *, logp):
+        return mask > 0, {"mask/logp": logp}  # [B, T], not one value
+
+
+class PerRowWeight(TokenWeight):
+    def __call__(self, mask):
+        return mask.sum(-1)  # [B], not [B, T]
+
+
+def test_per_update_masks_and_token_weights_are_held_to_their_output_contract():
+    logp, old, adv, mask = step_tensors()
+    with pytest.raises(ValueError, match=r"the token mask PerUpdateFloat returned keep of dtype torch.float32"):
+        PolicyObjective(NoGate(), SequenceMean(), masks=[PerUpdateFloat()])(logp, old, adv, mask)
+    with pytest.raises(ValueError, match=r"the token mask MetricPerToken returned metrics \['mask/logp'\] that"):
+        PolicyObjective(NoGate(), SequenceMean(), masks=[MetricPerToken()])(logp, old, adv, mask)
+    with pytest.raises(ValueError, match=r"the token weight PerRowWeight returned \[4\]; .* \[B, T\] = \[4, 3\]"):
+        PolicyObjective(NoGate(), SequenceMean(), token_weights=[PerRowWeight()]).weigh(adv, mask.float())
+
+
+def test_a_part_whose_call_has_no_signature_to_read_is_let_through():
+    assert PolicyObjective(NoGate(), SequenceMean(), masks=[UnreadableCall()]).masks

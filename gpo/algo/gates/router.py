@@ -44,7 +44,7 @@ class RouterShiftGate(GeometricMeanGate):
     ``W_t = min(w_t^s, clip(w_t, e^-clip_low, e^clip_high)^s)``, ``s = sgn(A_i)``, and the router-shift ratio
     ``gamma_t`` from ``router_shift_weight`` (floored at ``gamma_min``, stop-gradient), applied after clipping. In
     log space: ``log(score_i / A_i) = mean_t l_t + mean_t log gamma_t`` with ``l_t = min(log w_t, clip_high)`` if
-    ``A_i > 0`` else ``max(log w_t, -clip_low)``: every sequence is damped by ``geomean(gamma) <= 1``.
+    ``A_i >= 0`` else ``max(log w_t, -clip_low)``: every sequence is damped by ``geomean(gamma) <= 1``.
 
     Two departures from the formula as the survey article we followed writes it
     (https://ydnyshhh.github.io/posts/policy_optimization), ``[prod_t (W_t * gamma_t)]^(s / |o_i|)``:

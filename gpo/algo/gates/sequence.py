@@ -80,7 +80,7 @@ class GeometricMeanGate(RatioGate):
     """GMPO (Zhao et al. 2025): geometric mean over the sequence of token-clipped ratios.
 
     Per token, the ratio is clipped in log space in the direction the advantage pushes:
-    ``l_t = min(log r_t, clip_high)`` if ``A_i > 0`` else ``max(log r_t, -clip_low)``. The sequence score is
+    ``l_t = min(log r_t, clip_high)`` if ``A_i >= 0`` else ``max(log r_t, -clip_low)``. The sequence score is
     ``A_i * exp(mean_t l_t)`` (the paper's ``sgn(A_i) (prod_t |clip-min(r_t A_i)|)^(1/|o_i|)``), whose
     gradient is ``A_i * exp(mean_t l_t) * (1/|o_i|) sum_{t unclipped} grad log pi(o_t)``, the geometric mean of the
     clipped ratios times the unclipped tokens' score functions: one outlier token

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
 from gpo.algo.advantages import AdvantageEstimator, GroupNormAdvantage
 from gpo.algo.aggregators import LossAggregator, SequenceMean
+from gpo.algo.contracts import check_call, check_instance
 from gpo.algo.gates import ClipGate, NoGate, RatioGate
 
 AdvantageNorm = Literal["group", "batch"]
@@ -69,20 +69,9 @@ def check_part(slot: str, part: object) -> None:
     """Refuse, when ``Custom`` is built, a part of another kind, a class instead of an instance, or one whose
     ``__call__`` cannot take the arguments the trainer gives it (by position; a gate's ``requires`` by name)."""
     kind, arguments = SLOTS[slot]
-    name = part.__name__ if isinstance(part, type) else type(part).__name__
-    if isinstance(part, type):
-        raise TypeError(f"Custom({slot}={name}): give an instance, {name}(...), not the class.")
-    if not isinstance(part, kind):
-        shown = repr(part) if isinstance(part, str | int | float) else f"{name}(...)"
-        other = next((key for key, (k, _) in SLOTS.items() if isinstance(part, k)), None)
-        hint = f"; {name} is a gpo.algo.{SLOTS[other][0].__name__}: did you mean {other}=?" if other else "."
-        raise TypeError(f"Custom({slot}={shown}) takes a gpo.algo.{kind.__name__}{hint}")
-    named = dict.fromkeys(part.requires) if isinstance(part, RatioGate) else {}
-    try:
-        inspect.signature(part).bind(*arguments, **named)
-    except TypeError as err:
-        given = ", ".join([*arguments, *named])
-        raise TypeError(f"Custom({slot}={name}(...)): {name}.__call__ must take ({given}): {err}.") from None
+    elsewhere = {other: f"did you mean {key}=?" for key, (other, _) in SLOTS.items() if key != slot}
+    check_instance(f"Custom({slot}={{}})", part, kind, elsewhere)
+    check_call(f"Custom({slot}={{}})", part, arguments, part.requires if isinstance(part, RatioGate) else ())
 
 
 @dataclass(frozen=True)
