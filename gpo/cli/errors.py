@@ -384,9 +384,10 @@ def _missing_module(module_name: str) -> str:
     top = module_name.partition(".")[0]
     if not top or importlib.util.find_spec(top) is not None:
         return ""
+    gpo = did_you_mean(top, ["gpo"], then=" Otherwise ")
     return (
-        f"there is no module {top} on the import path: your own modules are imported from the working directory "
-        f"({os.getcwd()}) and PYTHONPATH; run from the folder that holds {top}.py, or add it to PYTHONPATH."
+        f"{gpo}there is no module {top} on the import path: your own modules are imported from the working directory "
+        f"({os.getcwd()}) and PYTHONPATH; run from the folder that holds {top}.py (or {top}/), or add it to PYTHONPATH."
     )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+import gpo.algo
 from gpo.algo.state import PartState
 from gpo.parallel import collectives
 
@@ -92,18 +93,21 @@ def changed_keys(saved: dict[str, str], current: dict[str, str]) -> list[str]:
     return [key for key in saved if key in current and saved[key] != current[key]]
 
 
+#: The keys of ``describe_run`` that describe an algorithm part (``describe``).
+PART_KEYS = ("advantage", "gate", "aggregator")
+
+
 def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: str) -> None:
     """Refuse to resume a checkpoint written under another model or algorithm, naming each difference."""
     changed = changed_keys(saved, current)
     differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in changed]
     if differences:
-        same_class = [saved[key].partition("(")[0] for key in changed if key in PART_KEYS
-                      and saved[key].partition("(")[0] == current[key].partition("(")[0]]  # fmt: skip
+        own = _own_part_described_otherwise(saved, current, changed)
         learnt = (
-            f" If {same_class[0]} is a part of your own that changes a public attribute as it runs, that attribute is "
-            "its state, not a setting: return it from state_dict() and take it back in load_state_dict() "
-            "(gpo.algo.state.PartState), or name it with a leading underscore."
-            if same_class
+            f" If {own} changes a public attribute as it runs, that attribute is its state, not a setting: return it "
+            "from state_dict() and take it back in load_state_dict() (gpo.algo.state.PartState), or name it with a "
+            "leading underscore."
+            if own is not None
             else ""
         )
         raise ValueError(
@@ -114,8 +118,14 @@ def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: s
         )
 
 
-#: The keys of ``describe_run`` that describe an algorithm part (``describe``).
-PART_KEYS = ("advantage", "gate", "aggregator")
+def _own_part_described_otherwise(saved: dict[str, str], current: dict[str, str], changed: list[str]) -> str | None:
+    """The class of a part of one's own (not one of gpo.algo's) that ``saved`` and ``current`` describe otherwise
+    under the same class name, or None."""
+    for key in changed:
+        name = saved[key].partition("(")[0]
+        if key in PART_KEYS and name == current[key].partition("(")[0] and not hasattr(gpo.algo, name):
+            return name
+    return None
 
 
 #: What in ``describe_run`` decides the weights' names and shapes.
