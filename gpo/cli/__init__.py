@@ -13,9 +13,9 @@ from jsonargparse import ArgumentError
 from gpo import lazy_exports
 from gpo.cli.blame import raised_in_user_code, with_owner
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
-from gpo.cli.errors import explain, setup_steps
+from gpo.cli.errors import explain
 from gpo.cli.helptext import SUBCOMMANDS
-from gpo.cli.shipped import config_files, with_shipped_configs
+from gpo.cli.shipped import config_files, setup_steps, with_shipped_configs
 from gpo.suggest import did_you_mean
 
 #: The small commands, by name: the function that runs one (given the arguments after its name) and its line in

@@ -11,7 +11,6 @@ import ast
 import importlib
 import importlib.util
 import inspect
-import itertools
 import os
 import re
 import typing
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 
 from gpo.cli.moved import ELSEWHERE_KEYS, MOVED_KEYS, MOVED_PATHS, REPLACED_KEYS
+from gpo.cli.shipped import file_holding
 from gpo.suggest import did_you_mean
 
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
@@ -54,10 +54,6 @@ _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
 _NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
 _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
-#: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
-_SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
-#: What ``_lookup`` returns for a key a config does not set (None is a value a config may set).
-_MISSING = object()
 
 
 def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
@@ -73,7 +69,7 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         return "\n".join([message, *moved])
     key, problem, unknown = _key_and_problem(message)
     rejected_value = None if unknown else _GOT_VALUE.search(message)
-    source = _file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
+    source = file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
     if key is not None and not unknown and message.rstrip().endswith(_NO_VALUE):
         lines = [_unset(key.replace(".init_args.", "."), source, config_files)]
     else:
@@ -102,29 +98,6 @@ def _unset(key: str, source: str | None, config_files: Iterable[str]) -> str:
     if not list(config_files):
         return f"{key} is not set: give a config (--config quickstart, or a YAML file) or --{key} VALUE"
     return f"{key} is not set: give it in a config or with --{key} VALUE"
-
-
-def setup_steps(config_files: Iterable[str]) -> list[str]:
-    """What the header comments of ``config_files`` say to run first (``# Set up ...:  COMMAND``), one line each, for
-    the steps not run yet here: a model or data file that is missing usually means that step was not run. A step
-    whose output folders (its arguments with a ``/``) all exist has been run: the path is mistyped instead."""
-    steps = []
-    for name in config_files:
-        path = Path(name)
-        if not path.is_file():
-            continue
-        header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
-        found = [match.group(1).strip() for match in map(_SETUP.search, header) if match]
-        steps.extend(
-            f"{path.name} needs its set-up step run first: {command}" for command in found if not _ran(command)
-        )
-    return steps
-
-
-def _ran(command: str) -> bool:
-    """Whether every folder ``command`` names (its words with a ``/`` that are not options) exists here."""
-    outputs = [word for word in command.split() if "/" in word and not word.startswith("-")]
-    return bool(outputs) and all(Path(word).exists() for word in outputs)
 
 
 def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
@@ -406,33 +379,3 @@ def _parameters(owner: Any) -> list[str]:
     except (TypeError, ValueError):
         return []
     return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
-
-
-def _file_holding(key: str, config_files: Iterable[str], value: str | None = None) -> str | None:
-    """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message; with ``value``
-    (the rejected value as jsonargparse prints it), only a file that sets it to that value (or, for a list such as
-    ``model.rewards``, to a list holding it)."""
-    found = None
-    for name in config_files:
-        try:
-            tree = yaml.safe_load(Path(name).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue
-        for parts in (key.replace(".init_args.", ".").split("."), key.split(".")):
-            held = _lookup(tree, parts)
-            items = held if isinstance(held, list) else []  # jsonargparse names the one item of a list it refused
-            if held is not _MISSING and (value is None or value in map(str, [held, *items])):
-                found = name
-    return found
-
-
-def _lookup(tree: Any, parts: list[str]) -> Any:
-    """The value ``tree`` holds at ``parts`` (through ``init_args`` where a class was chosen), or ``_MISSING``."""
-    for index, part in enumerate(parts):
-        if not isinstance(tree, dict):
-            return _MISSING
-        if part not in tree:
-            init_args = tree.get("init_args")
-            return _lookup(init_args, parts[index:]) if isinstance(init_args, dict) else _MISSING
-        tree = tree[part]
-    return tree

@@ -1,13 +1,18 @@
 """The configs shipped with gpo (``gpo.configs``, the repository's configs/ folder) and how ``--config`` finds them:
 a value that names no file where ``gpo`` runs, and is a bare name (``quickstart``, ``dapo.yaml``), is the shipped
-config of that name."""
+config of that name; which of a command's configs sets a key; and the set-up steps a config's header names, for a run
+that misses their output."""
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterable
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from gpo.suggest import closest_file, did_you_mean
 
@@ -72,7 +77,6 @@ def with_shipped_configs(args: list[str]) -> list[str]:
 
 def shipped_algorithm(name: str) -> Algorithm:
     """The algorithm the shipped config ``name`` selects (its ``model.algorithm``), built with the values it sets."""
-    import yaml
     from jsonargparse import ArgumentParser
 
     from gpo.algo.presets import Algorithm
@@ -92,3 +96,64 @@ def config_files(args: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             found.append(arg.removeprefix("--config="))
     return found
+
+
+#: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
+_SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
+
+
+def setup_steps(config_files: Iterable[str]) -> list[str]:
+    """What the header comments of ``config_files`` say to run first (``# Set up ...:  COMMAND``), one line each, for
+    the steps not run yet here: a model or data file that is missing usually means that step was not run. A step
+    whose output folders (its arguments with a ``/``) all exist has been run: the path is mistyped instead."""
+    steps = []
+    for name in config_files:
+        path = Path(name)
+        if not path.is_file():
+            continue
+        header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
+        found = [match.group(1).strip() for match in map(_SETUP.search, header) if match]
+        steps.extend(
+            f"{path.name} needs its set-up step run first: {command}" for command in found if not _ran(command)
+        )
+    return steps
+
+
+def _ran(command: str) -> bool:
+    """Whether every folder ``command`` names (its words with a ``/`` that are not options) exists here."""
+    outputs = [word for word in command.split() if "/" in word and not word.startswith("-")]
+    return bool(outputs) and all(Path(word).exists() for word in outputs)
+
+
+#: What ``_lookup`` returns for a key a config does not set (None is a value a config may set).
+_MISSING = object()
+
+
+def file_holding(key: str, config_files: Iterable[str], value: str | None = None) -> str | None:
+    """The last of ``config_files`` whose YAML sets ``key`` (or a key under it), for the message; with ``value``
+    (the rejected value as jsonargparse prints it), only a file that sets it to that value (or, for a list such as
+    ``model.rewards``, to a list holding it)."""
+    found = None
+    for name in config_files:
+        try:
+            tree = yaml.safe_load(Path(name).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        for parts in (key.replace(".init_args.", ".").split("."), key.split(".")):
+            held = _lookup(tree, parts)
+            items = held if isinstance(held, list) else []  # jsonargparse names the one item of a list it refused
+            if held is not _MISSING and (value is None or value in map(str, [held, *items])):
+                found = name
+    return found
+
+
+def _lookup(tree: Any, parts: list[str]) -> Any:
+    """The value ``tree`` holds at ``parts`` (through ``init_args`` where a class was chosen), or ``_MISSING``."""
+    for index, part in enumerate(parts):
+        if not isinstance(tree, dict):
+            return _MISSING
+        if part not in tree:
+            init_args = tree.get("init_args")
+            return _lookup(init_args, parts[index:]) if isinstance(init_args, dict) else _MISSING
+        tree = tree[part]
+    return tree
