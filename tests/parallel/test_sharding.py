@@ -93,6 +93,24 @@ def test_without_a_process_group_every_collective_returns_its_input():
     assert collectives.every_rank_holds(1, 4) and not collectives.every_rank_holds(0, 1)
 
 
+def test_a_single_process_step_is_its_own_rows_with_the_completions_lengths_not_the_loss_masks():
+    """``gather_step`` in one process: the rollout's own values, all rows; ``lengths`` counts each completion's tokens
+    (what ``completion/len_mean`` reports), whatever the loss mask keeps (OverlongFilter drops truncated rows)."""
+    from gpo.rollout.base import Rollout
+
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    ids = torch.ones(3, 3, dtype=torch.long)
+    rollout = Rollout(ids, ids, ids, completion_mask, torch.tensor([True, False, False]), torch.tensor([0, 0, 1]),
+                      scores=torch.ones(3, 2), reward=torch.tensor([0.5, 1.0, 2.0]),
+                      reward_kl=torch.tensor([0.1, 0.2, 0.3]))  # fmt: skip
+    mask = completion_mask * torch.tensor([[0], [1], [1]])  # the truncated row out of the loss
+    step, rows = collectives.gather_step(rollout, mask)
+    assert rows == slice(0, 3) and step["mask"] is mask
+    assert step["lengths"].tolist() == [3, 2, 1] and step["truncated"].tolist() == [1.0, 0.0, 0.0]
+    assert step["group"].tolist() == [0, 0, 1] and step["reward"] is rollout.reward
+    assert step["scores"] is rollout.scores and step["reward_kl"] is rollout.reward_kl
+
+
 def test_under_ddp_each_rank_splits_its_rows_into_exactly_the_minibatches_asked(monkeypatch):
     monkeypatch.setattr(collectives, "is_distributed", lambda: True)
     for rows, parts in ((7, 3), (10, 4), (3, 3)):  # tensor_split's split; each rank holds >= parts rows

@@ -141,6 +141,17 @@ def test_seed_makes_sampling_reproducible_and_greedy_is_deterministic(policy_and
     assert all(torch.equal(greedy.completion_ids[0], row) for row in greedy.completion_ids)
 
 
+def test_a_seeded_call_leaves_the_global_generator_as_it_was(policy_and_tokenizer):
+    """The seed is the call's own: the trainer's draws from torch's generator (minibatch shuffles, dropout) go on from
+    where they were, not from the rollout seed."""
+    _, tok = policy_and_tokenizer
+    e = engine(policy_and_tokenizer, max_new_tokens=4)
+    torch.manual_seed(11)
+    state = torch.random.get_rng_state()
+    e.generate([tok("ab").input_ids], n=2, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_batched_generation_matches_one_call_under_greedy(policy_and_tokenizer):
     _, tok = policy_and_tokenizer
     prompts = [tok(text).input_ids for text in ("a", "bcd", "efghij")]
@@ -230,3 +241,52 @@ def test_sampling_in_inference_mode_hands_back_tensors_a_gradient_pass_may_save(
     (embedded * rollout.completion_mask[..., None]).sum().backward()  # raises if they are inference tensors
     assert model.get_input_embeddings().weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+def test_the_collector_gives_every_completion_its_prompt_its_fields_and_its_text(policy_and_tokenizer):
+    """Rows of a group are adjacent: the rows of prompt ``p`` get ``p``'s text and dataset fields, and each row's
+    completion text is its own tokens up to EOS, without the EOS or the padding after it."""
+    from gpo.rollout.collector import Collector
+
+    model, tok = policy_and_tokenizer
+    collector = Collector(HFEngine(sampling=Sampling(max_new_tokens=8)), [], group_size=4)
+    collector.setup(model, tok)
+    batch = {"prompt": ["ab", "cde"], "prompt_ids": [tok("ab").input_ids, tok("cde").input_ids],
+             "fields": {"answer": ["x", "y"]}}  # fmt: skip
+    rollout = collector.sample(batch, seed=0)
+    assert rollout.prompts == ["ab"] * 4 + ["cde"] * 4 and rollout.fields["answer"] == ["x"] * 4 + ["y"] * 4
+    assert not rollout.truncated.all()  # some row ends with EOS (and padding after it), which the text leaves out
+    for row, text in enumerate(rollout.completions):
+        tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
+        assert text == tok.decode([t for t in tokens if t != tok.eos_token_id]), row
+
+
+def test_logprobs_are_at_the_temperature_the_call_samples_at(policy_and_tokenizer):
+    """A call whose ``sampling`` replaces the engine's temperature gets the sampled tokens' log-probs at its own."""
+    model, tok = policy_and_tokenizer
+    e = engine(policy_and_tokenizer, temperature=1.0, max_new_tokens=4)
+    rollout = e.generate([tok("ab").input_ids], n=2, seed=0, sampling=Sampling(temperature=0.5, max_new_tokens=4))
+    ref = naive_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1], 0.5)
+    real = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.logp[real].double(), ref[real], atol=1e-5, rtol=1e-5)
+
+
+def test_concat_rollouts_pads_multi_turn_fields_as_past_the_episode():
+    """Joined multi-turn rollouts of different widths: ``turn_index`` -1 and ``loss_mask`` 0 on the padding,
+    ``turn_rewards`` NaN past each episode's turns."""
+    from gpo.rollout.base import Rollout, concat_rollouts
+
+    def episode(width: int, turns: int) -> Rollout:
+        """One row of ``width`` completion tokens, the first the policy's (turn 0), the others the environment's; and
+        ``turns`` step rewards."""
+        ids, first = torch.ones(1, width, dtype=torch.long), torch.zeros(1, width, dtype=torch.long)
+        first[0, 0] = 1
+        rewards = torch.arange(1.0, turns + 1)[None]  # [1, turns]
+        return Rollout(ids, ids, ids, ids, torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                       loss_mask=first, turn_rewards=rewards, turn_index=first - 1)  # fmt: skip
+
+    both = concat_rollouts([episode(3, 2), episode(1, 1)])
+    assert both.turn_index.tolist() == [[0, -1, -1], [0, -1, -1]]
+    assert both.loss_mask.tolist() == [[1, 0, 0], [1, 0, 0]]
+    assert both.turn_rewards[0].tolist() == [1.0, 2.0] and both.turn_rewards[1, 0] == 1
+    assert both.turn_rewards[1, 1].isnan()

@@ -205,3 +205,123 @@ def test_the_rollout_correction_weighs_the_engine_mismatch_once(mode):
     loss.backward()
     weight = -logp.grad[mask.bool()] * mask.sum()  # d loss / d logp_t = -w_t A_t / N
     torch.testing.assert_close(weight, torch.full_like(weight, math.exp(0.2)))
+
+
+def test_each_update_trains_its_own_rows_normalised_by_them_and_the_logged_loss_is_the_updates_mean():
+    """12 rows, 2 minibatches, 2 epochs, micro-batches of 4 (a minibatch of 6 is 4 + 2): each update's loss is the
+    objective over its own rows and columns, normalised by its own tokens; the first epoch takes the rows in order,
+    the second a shuffle of them; the logged loss and gradient norm are the means over the 4 updates. At lr 1e-12
+    the policy stays put, so each update's ratio is 1 and ClipGate's loss is ``-sum(A * mask) / sum(mask)`` over
+    its rows, worked out here from the rollout alone."""
+    policy = tiny_model("llama", seed=1)
+    rollout, _ = sampled(policy)
+    lengths = torch.tensor([1, 2, 3, 4, 5, 6] * 2)  # completions of every width, each update's width its longest
+    rollout.completion_mask = rollout.loss_mask = (torch.arange(6) < lengths[:, None]).long()
+    mask = rollout.completion_mask.float()
+    adv = torch.linspace(-1, 1, 12)[:, None] * mask
+    optim = Optimization(lr=1e-12, number_of_minibatches=2, ppo_epochs=2, micro_batch_size=4)
+    split, backend = learner(policy, optim)
+    updates, minibatch = [], split._minibatch
+
+    def recorded(batch, order, start, stop, backend, measured):
+        applied = minibatch(batch, order, start, stop, backend, measured)
+        updates.append((order, start, stop, applied))
+        return applied
+
+    split._minibatch = recorded
+    torch.manual_seed(0)
+    metrics = split.update(rollout, adv, mask, backend)
+    assert [(start, stop) for _, start, stop, _ in updates] == [(0, 6), (6, 12)] * 2
+    assert updates[0][0] is None and updates[1][0] is None  # the first epoch: the rows in order
+    order = updates[2][0]
+    assert updates[3][0] is order and sorted(order.tolist()) == list(range(12)) and order.tolist() != list(range(12))
+    for order, start, stop, (loss, _) in updates:
+        rows = torch.arange(12)[start:stop] if order is None else order[start:stop]
+        expected = -(adv[rows] * mask[rows]).sum() / mask[rows].sum()
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-5), (start, order)
+    losses, norms = [float(u[3][0]) for u in updates], [float(u[3][1]) for u in updates]
+    assert len(set(losses)) == 4  # the mean differs from any one update's
+    assert metrics["loss"].item() == pytest.approx(sum(losses) / 4, abs=1e-6)
+    assert metrics["grad/norm"].item() == pytest.approx(sum(norms) / 4, rel=1e-6)
+
+
+def test_old_logprobs_are_the_engines_or_the_trainers_as_set_and_the_mismatch_is_the_samplers_kl():
+    """``old_logprobs: rollout`` keeps the engine's even when a correction has the trainer's computed; ``trainer``
+    with more than one update computes them once before the first (with one update alone, the gradient pass's own
+    are used); the mismatch KL is KL(sampler || trainer) by the k3 estimate ``r - 1 - log r``, ``r = pi_train /
+    pi_rollout``, over the engine's samples: with the engine 0.2 below the trainer on every token, ``e^0.2 - 1.2``."""
+    from dataclasses import replace
+
+    from gpo.algo import RolloutCorrection
+
+    policy = tiny_model("llama", seed=1)
+    rollout, _ = sampled(policy)
+    mask = rollout.completion_mask.float()
+    train_logp = TokenScorer(policy).policy_logp(rollout)
+    rollout.logp = (train_logp - 0.2) * mask  # an engine that finds every sampled token e^0.2 times less likely
+    objective = PolicyObjective(ClipGate(), TokenMean())
+
+    def inputs(optim=None, logp=rollout.logp, **kwargs):
+        taught = Learner(TokenScorer(policy), objective, optim or Optimization(), **kwargs)
+        return taught.step_inputs(replace(rollout, logp=logp), mask)
+
+    corrected, _ = inputs(old_logprobs="rollout", correction=RolloutCorrection(mode="tis", cap=10.0))
+    assert corrected["old_logp"] is rollout.logp
+    for optim in (Optimization(number_of_minibatches=2), Optimization(ppo_epochs=2)):
+        own, _ = inputs(optim, None, old_logprobs="trainer")
+        torch.testing.assert_close(own["old_logp"], train_logp)
+    assert "old_logp" not in inputs(None, None, old_logprobs="trainer")[0]
+    _, metrics = inputs(old_logprobs="rollout", sampler_shares_weights=False)
+    assert metrics["mismatch/abs_diff_max"].item() == pytest.approx(0.2, rel=1e-5)
+    assert metrics["mismatch/kl"].item() == pytest.approx(math.exp(0.2) - 1.2, rel=1e-4)
+
+
+def test_a_kl_penalty_of_beta_0_in_the_reward_leaves_the_rollout_alone():
+    """beta 0 disables the term: no reward change, no ``reward_kl`` (whose ``penalty / -beta`` would be NaN)."""
+    from gpo.algo import KLPenalty
+
+    policy = tiny_model("llama", seed=1)
+    rollout, _ = sampled(policy)
+    rollout.reward = torch.linspace(0, 1, len(rollout))
+    off = Learner(TokenScorer(policy), PolicyObjective(ClipGate(), TokenMean()), Optimization(),
+                  kl=KLPenalty(beta=0.0, placement="reward"))  # fmt: skip
+    assert off.add_kl_penalty(rollout).reward_kl is None
+    torch.testing.assert_close(rollout.reward, torch.linspace(0, 1, len(rollout)))
+
+
+def test_the_empty_loss_warning_counts_steps_in_a_row_only(caplog):
+    """A step that trains resets the streak: 4 empty steps, a trained one, then 4 empty ones is no warning yet."""
+    import logging
+
+    taught, _ = learner(tiny_model("llama", seed=1))
+    empty, kept = torch.zeros(2, 3), torch.ones(2, 3)
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        trained = [taught.has_loss_tokens(mask, step) for step, mask in enumerate([empty] * 4 + [kept] + [empty] * 4)]
+        assert trained == [False] * 4 + [True] + [False] * 4 and taught.empty_streak == 4
+        assert not [r for r in caplog.records if "no token was left in the loss" in r.getMessage()]
+        taught.has_loss_tokens(empty, 9)
+    [warning] = [r.getMessage() for r in caplog.records if "no token was left in the loss" in r.getMessage()]
+    assert "optimiser step 9" in warning and "for 5 steps in a row" in warning
+
+
+def test_a_single_on_policy_update_hands_the_gate_old_logprobs_without_grad():
+    """With one update and no old log-probs computed, the gate's ``old_logp`` is the gradient pass's own, detached,
+    as ``RatioGate`` promises: a custom gate that does not detach it itself still gets ``-A grad log pi``."""
+
+    class Reinforce(ClipGate):
+        def __call__(self, logp, old_logp, adv, mask):
+            self.old_requires_grad = old_logp.requires_grad
+            return -(logp - old_logp).exp() * adv * mask, {}
+
+    policy, gate = tiny_model("llama", seed=1), Reinforce()
+    rollout, adv = sampled(policy)
+    rollout.logp = None
+    before = copy.deepcopy(policy)
+    optim = Optimization(lr=1e-2)
+    optimizer, scheduler = optim.build(list(policy.parameters()), None)
+    backend = Backend(optimizer, scheduler, lambda loss: loss.backward(), lambda last: nullcontext(), False,
+                      torch.device("cpu"), 0, None)  # fmt: skip
+    on_policy = Learner(TokenScorer(policy), PolicyObjective(gate, TokenMean()), optim, old_logprobs="trainer")
+    metrics = on_policy.update(rollout, adv, rollout.completion_mask.float(), backend)
+    assert gate.old_requires_grad is False and metrics["grad/norm"].item() > 0
+    assert any(not torch.equal(a, b) for a, b in zip(policy.parameters(), before.parameters(), strict=True))

@@ -221,3 +221,73 @@ def test_step_metrics_hand_worked():
     assert unweighted["reward/mean"].item() == pytest.approx(4 / 3)
     single = step_metrics({k: v[:1] for k, v in step.items()}, adv[:1], [correct, brief], None)
     assert single["reward/std"].item() == 0.0  # one row: no spread, not NaN
+
+
+def test_publish_step_hand_worked():
+    """The step's time split and tokens per second (sampled tokens over the engine's seconds, every token trained on,
+    prompt and completion, over the training seconds), the reward-error counts and the headline reward, as the
+    callbacks and the progress bar see them."""
+    from collections import Counter
+
+    from gpo.algo.mixers import WeightedSum
+    from gpo.rollout.base import Rollout
+    from gpo.rollout.collector import CollectionStats, Collector
+    from gpo.train.metrics import publish_step
+    from tests.callbacks.fake_trainer import fake_trainer
+
+    ones = torch.ones(3, 2, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])  # 6 completion tokens, after 5 prompt tokens
+    rollout = Rollout(ones, torch.tensor([[0, 1], [1, 1], [1, 1]]), mask, mask, torch.zeros(3, dtype=torch.bool),
+                      torch.tensor([0, 0, 1]), reward=torch.zeros(3))  # fmt: skip
+    collector = Collector(None, [correct, brief], mixer=WeightedSum(weights=[1.0, 0.5]))
+    errors = Counter(brief=2)
+    collector.stats = CollectionStats(rollout_s=4.0, generated_tokens=torch.tensor(20.0), reward_errors=errors)
+    step = {
+        "scores": torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+        "reward": torch.tensor([0.2, 0.4, 0.9]),
+        "lengths": torch.tensor([3, 1, 2]),
+        "truncated": torch.tensor([1.0, 0.0, 0.0]),
+        "mask": mask.float(),
+    }
+    trainer = fake_trainer(0)
+    publish_step(trainer, collector, rollout, step, torch.zeros(3, 3), {"loss": torch.tensor(0.5)}, scoring_s=1.0,
+                 training_s=2.0)  # fmt: skip
+    got = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    expected = {
+        "loss": 0.5,
+        "time/rollout_s": 4.0,
+        "time/scoring_s": 1.0,
+        "time/training_s": 2.0,
+        "throughput/rollout_tokens_per_s": 20 / 4.0,
+        "throughput/training_tokens_per_s": (5 + 6) / 2.0,
+        "reward_errors/brief": 2.0,
+        "reward": 1.0,  # reward/mean: the weighted sums 1, 0.5, 1.5
+    }
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value), key
+    assert float(trainer.progress_bar_metrics["reward"]) == pytest.approx(1.0)
+
+
+def test_a_callbacks_batch_values_are_the_batchs_own():
+    """``BatchValues`` hands the loggers what the callback measured in this batch: a batch it measured nothing in
+    logs nothing again."""
+    from gpo.train.metrics import BatchValues
+    from tests.callbacks.fake_trainer import fake_trainer
+
+    class Rows:
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, row, step):
+            self.rows.append((step, row))
+
+    logger, values = Rows(), BatchValues()
+    trainer = fake_trainer(0)
+    trainer.loggers = [logger]
+    values.add({"difficulty/seen": 4.0})
+    values.add({"difficulty/skipped": 1.0})
+    values.publish(trainer)
+    trainer.fit_loop.epoch_loop.total_batch_idx = 1
+    values.publish(trainer)  # nothing measured in batch 1
+    assert logger.rows == [(0, {"difficulty/seen": 4.0, "difficulty/skipped": 1.0})]
+    assert float(trainer.callback_metrics["difficulty/seen"]) == 4.0

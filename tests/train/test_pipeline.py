@@ -198,6 +198,73 @@ class OwnWeights(RolloutEngine):
         self.pushed.append(dict(named_tensors))
 
 
+class SeedsRecorded(OwnWeights):
+    """OwnWeights that records the seed of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int | None] = []
+
+    def generate(self, prompt_ids, n, *, seed=None, **kwargs) -> Rollout:
+        self.seeds.append(seed)
+        return super().generate(prompt_ids, n, **kwargs)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_every_round_of_a_step_has_a_seed_of_its_own_its_statistics_and_the_reward_kl_penalty(lag, monkeypatch):
+    """Round ``r`` of training batch ``j`` samples with ``stream_seed("rollout", seed, j, r, rank)``, whether round 0
+    is collected when the step asks for it (lag 0) or ahead on the sampler thread (lag 1), and the rounds a rollout
+    hook draws after it (``draw_more``) go on from round 1; the step's statistics count all its rounds (4 rows of 2
+    tokens, and 0.5 s of a clock that ticks at each read, a round); every round has the KL penalty placed in the
+    reward (1 minus 0.1 times the row's KL)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from gpo.algo import ClipGate, KLPenalty, PolicyObjective, TokenMean
+    from gpo.models.scorer import TokenScorer
+    from gpo.rollout.collector import Collector
+    from gpo.seeds import stream_seed
+    from gpo.testing import char_tokenizer, tiny_model
+    from gpo.train.feed import rollout_feed
+    from gpo.train.learner import Learner
+    from gpo.train.optimization import Optimization
+
+    engine = SeedsRecorded()
+    pipeline = RolloutPipeline(engine, lag=lag, sampler_threads=None) if lag else None
+    collector = Collector(pipeline.engine if lag else engine, [lambda prompts, completions, **_: [1.0] * len(prompts)],
+                          group_size=2, seed=5)  # fmt: skip
+    collector.setup(None, char_tokenizer())
+    collector.rank = 1
+    scorer = TokenScorer(tiny_model("llama", seed=1), reference=tiny_model("llama", seed=2))
+    learner = Learner(scorer, PolicyObjective(ClipGate(), TokenMean()), Optimization(),
+                      kl=KLPenalty(beta=0.1, placement="reward"))  # fmt: skip
+    feed = rollout_feed(collector, learner, pipeline)
+    batch = {"prompt": ["12", "34"], "prompt_ids": [[3, 4], [5, 6]], "fields": {}}
+    collector.extra_prompts = iter([batch] * 6)
+    if not lag:  # one thread reads the clock
+        ticks = itertools.count(0.0, 0.5)
+        monkeypatch.setattr("gpo.rollout.collector.time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    rollouts, generated, seconds = [], [], []
+    try:
+        for j in range(3 + lag):
+            feed.submit(batch, j)
+            if feed.ready():
+                rollouts += [feed.take(), feed.draw_more(), feed.draw_more()]
+                generated.append(float(collector.stats.generated_tokens))
+                seconds.append(collector.stats.rollout_s)
+    finally:
+        feed.close()
+    streams = {stream_seed("rollout", 5, j, r, 1): (j, r) for j in range(4) for r in range(3)}
+    drawn = [streams.get(seed) for seed in engine.seeds]
+    assert len(set(drawn)) == len(drawn) and None not in drawn, drawn
+    assert {(j, r) for j in range(3) for r in range(3)} <= set(drawn), drawn
+    assert generated == [3 * 8.0] * 3
+    assert lag or seconds == [3 * 0.5] * 3
+    for rollout in rollouts:
+        assert rollout.reward_kl is not None and bool((rollout.reward_kl > 0).all())
+        torch.testing.assert_close(rollout.reward, 1.0 - 0.1 * rollout.reward_kl)
+
+
 def test_rows_staler_than_the_bound_are_dropped_and_counted():
     pipeline = RolloutPipeline(OwnWeights(), lag=1, sampler_threads=None)
     try:
