@@ -122,20 +122,22 @@ class Learner:
         self.nonfinite = NonfiniteGuard(optim.max_consecutive_nonfinite)
         self.empty_streak = 0
 
-    def has_loss_tokens(self, mask: Tensor, step: int) -> bool:
+    def has_loss_tokens(self, mask: Tensor, step: int, *, final: bool = True) -> bool:
         """Whether any rank's ``mask[B, T]`` keeps a token in the loss (one all-reduce). A step without is not trained
-        (no optimiser step on an empty loss); ``EMPTY_LOSS_WARNING`` such steps in a row are warned about."""
+        (no optimiser step on an empty loss); ``EMPTY_LOSS_WARNING`` such steps in a row are warned about. A mask
+        that the step masks may still shrink (``final`` False) does not end a streak."""
         if float(collectives.reduce_over_ranks(mask.sum(), "sum")) > 0:
-            self.empty_streak = 0
+            if final:
+                self.empty_streak = 0
             return True
         self.empty_streak += 1
         if self.empty_streak == EMPTY_LOSS_WARNING:
-            dropping = ", ".join(type(w).__name__ for w in self.objective.dropping) or "none"
+            dropping = ", ".join(type(part).__name__ for part in [*self.objective.dropping, *self.objective.step_masks])
             log.warning(
                 "optimiser step %d: no token was left in the loss for %d steps in a row, so nothing trained (token "
-                "weights that drop completions: %s; OverlongFilter drops every completion that reaches max_new_tokens "
-                "without EOS). Raise model.engine.init_args.sampling.max_new_tokens, or remove the dropping weight "
-                "from model.token_weights.", step, self.empty_streak, dropping,
+                "weights and masks that drop tokens: %s; OverlongFilter drops every completion that reaches "
+                "max_new_tokens without EOS). Raise model.engine.init_args.sampling.max_new_tokens, or loosen or "
+                "remove the part in model.token_weights or model.masks.", step, self.empty_streak, dropping or "none",
             )  # fmt: skip
         return False
 
@@ -155,14 +157,17 @@ class Learner:
             rollout.reward, rollout.reward_kl = rollout.reward + penalty, penalty / -self.reward_kl.beta
         return rollout
 
-    def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor]:
+    def update(self, rollout: Rollout, adv: Tensor, mask: Tensor, backend: Backend) -> dict[str, Tensor] | None:
         """Train on ``rollout`` with advantages ``adv[B, T]`` over ``mask[B, T]``; returns the step's diagnostics as
-        0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied).
+        0-d tensors (per-update means; ``loss`` and ``grad/norm`` over the updates applied), or None, with no update,
+        when the step masks left no token in the loss on any rank.
 
         The first epoch takes the rows in order, as slices (views, no copies); later epochs shuffle them. Completion
         widths are read on the host once per step, so no micro-batch waits for the device."""
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
         mask, mask_metrics = self.objective.step_mask(mask, adv, **inputs)  # before any normaliser is taken
+        if self.objective.step_masks and not self.has_loss_tokens(mask, backend.step):
+            return None  # an optimiser step on an empty loss would still move the weights (momentum, decay)
         adv = self.objective.weigh(adv, mask, **inputs)
         batch = StepBatch(rollout, adv, mask, inputs, rollout.lengths.tolist())
         zero = torch.zeros((), device=backend.device)

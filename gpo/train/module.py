@@ -256,7 +256,12 @@ class GPOModule(RolloutSource, LightningModule):
             publish(self.trainer, {"pipeline/filling": torch.tensor(1.0, device=self.device)}, log=True)
             return
         trainable, dropped = self._trainable(self.feed.take())
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if trainable is None else 0
+        metrics = None
+        if trainable is not None:
+            rollout, mask, collected = *trainable, time.perf_counter()
+            step, step_adv, adv = self.credit(rollout, mask)
+            metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))  # None: a step mask emptied it
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if metrics is None else 0
         if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
             raise RunStalled(
                 f"the last {MAX_SKIPPED_IN_A_ROW} training batches were all skipped, so the run would never reach "
@@ -265,7 +270,7 @@ class GPOModule(RolloutSource, LightningModule):
                 "how many), or no token was left in the loss. Check the reward functions and the completion budget, "
                 "or loosen the filter."
             )
-        if trainable is None:
+        if metrics is None:
             skipped = {"rollout/skipped": 1.0, "train/empty_loss_streak": float(self.learner.empty_streak)}
             if dropped:  # pipelined: rows too stale to train on (all of them, unless a hook or a rank skipped too)
                 skipped["pipeline/dropped_stale"] = float(dropped)
@@ -277,9 +282,6 @@ class GPOModule(RolloutSource, LightningModule):
             skipped = {k: torch.tensor(v, device=self.device) for k, v in skipped.items()}
             publish(self.trainer, skipped, log=log_due(self.trainer))
             return
-        rollout, mask, collected = *trainable, time.perf_counter()
-        step, step_adv, adv = self.credit(rollout, mask)
-        metrics = self.learner.update(rollout, adv, mask, lightning_backend(self))
         metrics |= self.feed.trained(self.model, rollout, dropped, self.device)
         zero = torch.zeros((), device=self.device)  # a skipped step's keys, back to 0: callbacks read the last value
         metrics |= {"rollout/skipped": zero, "train/empty_loss_streak": zero}
@@ -300,7 +302,9 @@ class GPOModule(RolloutSource, LightningModule):
         if not collectives.every_rank_holds(rows, self.learner.optim.number_of_minibatches, self.device):
             return None, dropped
         mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
-        return ((rollout, mask) if self.learner.has_loss_tokens(mask, self.trainer.global_step) else None), dropped
+        final = not self.learner.objective.step_masks  # else the update applies them, and checks again
+        trains = self.learner.has_loss_tokens(mask, self.trainer.global_step, final=final)
+        return ((rollout, mask) if trains else None), dropped
 
     def draw_rollout(self) -> Rollout:
         """Another batch of training prompts, sampled and scored (``DynamicSampling`` calls it)."""

@@ -325,3 +325,18 @@ def test_a_single_on_policy_update_hands_the_gate_old_logprobs_without_grad():
     metrics = on_policy.update(rollout, adv, rollout.completion_mask.float(), backend)
     assert gate.old_requires_grad is False and metrics["grad/norm"].item() > 0
     assert any(not torch.equal(a, b) for a, b in zip(policy.parameters(), before.parameters(), strict=True))
+
+
+def test_a_step_whose_step_masks_leave_no_token_takes_no_optimiser_step():
+    """After a normal update, a step whose engine is 1 nat off everywhere: the band keeps no token. No update at all
+    (AdamW's momentum would still move the weights on an empty loss), and the empty step counts into the streak."""
+    policy = tiny_model("llama", seed=1)
+    taught, backend = learner(policy, masks=[MismatchBandMask(low=0.9, high=1.1)])
+    rollout, adv = sampled(policy)
+    assert taught.update(rollout, adv, rollout.completion_mask.float(), backend) is not None  # engine == trainer
+    before, lr_steps = copy.deepcopy(policy), backend.scheduler.last_epoch
+    rollout, adv = sampled(policy, seed=1)
+    rollout.logp = rollout.logp - 1.0
+    assert taught.update(rollout, adv, rollout.completion_mask.float(), backend) is None
+    assert_same_parameters(policy, before)
+    assert backend.scheduler.last_epoch == lr_steps and taught.empty_streak == 1
