@@ -17,6 +17,8 @@ from gpo.algo.weighting import TokenWeight
 TOKEN_PARTS: dict[str, type] = {"masks": TokenMask, "token_weights": TokenWeight}
 #: What a weight that drops tokens (``drops_tokens``) can read: the rollout's flags, before any model pass.
 DROPPING_INPUTS = frozenset({"truncated"})
+#: What a weight that scales advantages cannot read: it is fixed for the step, before any gradient pass.
+PASS_ONLY_INPUTS = frozenset({"logp", "old_logp", "adv", "entropy"})
 
 
 def check_instance(label: str, part: object, kind: type, elsewhere: Mapping[type, str]) -> None:
@@ -59,7 +61,7 @@ def check_token_parts(masks: Sequence[TokenMask], token_weights: Sequence[TokenW
         if isinstance(parts, TokenMask | TokenWeight):
             name = type(parts).__name__
             raise TypeError(f"{field}={name}(...) is one part; give a list of parts: {field}=[{name}(...)].")
-        if not isinstance(parts, Sequence):
+        if isinstance(parts, str) or not isinstance(parts, Sequence):
             raise TypeError(f"{field} is a {type(parts).__name__}; give a list of parts.")
         elsewhere = {TokenMask: "did you mean masks=?", TokenWeight: "did you mean token_weights=?",
                      RatioGate: "a gate goes in the algorithm, Custom(gate=...)."}  # fmt: skip
@@ -70,6 +72,11 @@ def check_token_parts(masks: Sequence[TokenMask], token_weights: Sequence[TokenW
                 raise TypeError(f"{field}[{index}]={type(part).__name__}(...) drops tokens (drops_tokens = True) and "
                                 f"requires {sorted(part.requires)}, but a dropping weight reads only "
                                 f"{sorted(DROPPING_INPUTS)}, before any model pass.")  # fmt: skip
+            if isinstance(part, TokenWeight) and not part.drops_tokens and part.requires & PASS_ONLY_INPUTS:
+                raise TypeError(f"{field}[{index}]={type(part).__name__}(...) requires "
+                                f"{sorted(part.requires & PASS_ONLY_INPUTS)}, but a token weight is fixed for the step "
+                                "before any gradient pass: it reads step inputs only (ref_logp, rollout_logp, "
+                                "train_logp, teacher_logp); a TokenMask reads the others.")  # fmt: skip
             check_call(f"{field}[{index}]={{}}", part, ("mask",), part.requires)
 
 

@@ -172,6 +172,28 @@ class DropsByRef(TokenWeight):
         return mask
 
 
+class ReadsEntropy(TokenWeight):
+    requires = frozenset({"entropy"})  # exists only in a gradient pass
+
+    def __call__(self, mask, *, entropy):
+        return mask
+
+
+class DropsAll(TokenWeight):
+    drops_tokens = True  # reads nothing: called with the mask alone
+
+    def __call__(self, mask):
+        return mask * 0
+
+
+class DropsPerRow(TokenWeight):
+    requires = frozenset({"truncated"})
+    drops_tokens = True
+
+    def __call__(self, mask, *, truncated):
+        return (~truncated).float()  # [B], not [B, T]
+
+
 class UnreadableCall(TokenMask):
     __call__ = staticmethod(print)  # no signature to read: let through
 
@@ -211,6 +233,9 @@ def test_a_mask_output_outside_the_contract_is_refused_by_name(mask, message):
          r"keyword argument 'adv'"),
         ({"token_weights": [DropsWithoutTruncated()]}, r"DropsWithoutTruncated.__call__ must take \(mask, "
          r"truncated=\)"),
+        ({"masks": "HighEntropyMask"}, r"masks is a str; give a list of parts\.$"),
+        ({"token_weights": [ReadsEntropy()]}, r"token_weights\[0\]=ReadsEntropy\(...\) requires \['entropy'\], but a "
+         r"token weight is fixed for the step before any gradient pass"),
         ({"token_weights": [DropsByRef()]}, r"token_weights\[0\]=DropsByRef\(...\) drops tokens \(drops_tokens = "
          r"True\) and requires \['ref_logp'\], but a dropping weight reads only \['truncated'\]"),
     ],
@@ -251,3 +276,21 @@ def test_per_update_masks_and_token_weights_are_held_to_their_output_contract():
 
 def test_a_part_whose_call_has_no_signature_to_read_is_let_through():
     assert PolicyObjective(NoGate(), SequenceMean(), masks=[UnreadableCall()]).masks
+
+
+def test_a_dropping_weight_is_given_what_its_requires_names_and_held_to_its_output():
+    mask, truncated = torch.ones(2, 3), torch.tensor([True, False])
+    assert torch.equal(PolicyObjective(NoGate(), SequenceMean(), token_weights=[DropsAll()]).loss_mask(mask, truncated),
+                       torch.zeros(2, 3))  # fmt: skip
+    kept = PolicyObjective(NoGate(), SequenceMean(), token_weights=[OverlongFilter()]).loss_mask(mask, truncated)
+    assert torch.equal(kept, torch.tensor([[0.0] * 3, [1.0] * 3]))
+    with pytest.raises(ValueError, match=r"the token weight DropsPerRow returned \[2\]; .* \[B, T\] = \[2, 3\]"):
+        PolicyObjective(NoGate(), SequenceMean(), token_weights=[DropsPerRow()]).loss_mask(mask, truncated)
+
+
+def test_custom_refuses_a_gate_whose_requires_is_a_string_before_reading_its_call():
+    class OneString(NoGate):
+        requires = "ref_logp"
+
+    with pytest.raises(TypeError, match=r"OneString\.requires='ref_logp' must be a frozenset of input names"):
+        Custom(gate=OneString())

@@ -10,6 +10,7 @@ import torch
 
 from gpo.algo import GSPO, EntropyBonus, KLPenalty, NoGate, OverlongFilter, RolloutCorrection
 from gpo.algo.distillation import TeacherKL
+from gpo.algo.masks import TokenMask
 from gpo.rewards import positional_match
 from gpo.rewards.runner import RewardErrors
 from gpo.rollout import HFEngine, Sampling
@@ -279,6 +280,27 @@ def test_a_trained_step_after_a_skipped_one_reads_as_not_skipped(workspace, monk
     state = SkipState()
     quiet_trainer(3, [state]).fit(tiny_module(model), prompts(model, data))
     assert state.rows == [(0.0, 0.0), (1.0, 1.0), (1.0, 2.0), (0.0, 0.0), (0.0, 0.0)]
+
+
+class EmptiesSecondCall(TokenMask):
+    """A step mask that keeps no token on its second call (a step whose engine disagrees everywhere, say)."""
+
+    requires = frozenset({"adv"})
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, mask, *, adv):
+        self.calls += 1
+        return mask.bool() & (self.calls != 2), {}
+
+
+def test_a_step_a_step_mask_empties_is_skipped_without_an_optimiser_step_and_the_run_goes_on(workspace):
+    model, data = workspace
+    state, module = SkipState(), tiny_module(model, masks=[EmptiesSecondCall()])
+    quiet_trainer(3, [state]).fit(module, prompts(model, data))
+    assert state.rows == [(0.0, 0.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]  # 3 optimiser steps over 4 batches
+    assert module.trainer.global_step == 3 and module.skipped_in_a_row == 0
 
 
 def test_the_headline_reward_is_the_weighted_sum_of_the_rewards_whatever_the_mixer(workspace):

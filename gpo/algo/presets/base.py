@@ -8,7 +8,7 @@ from typing import Literal
 
 from gpo.algo.advantages import AdvantageEstimator, GroupNormAdvantage
 from gpo.algo.aggregators import LossAggregator, SequenceMean
-from gpo.algo.contracts import check_call, check_instance
+from gpo.algo.contracts import check_call, check_instance, check_requires
 from gpo.algo.gates import ClipGate, NoGate, RatioGate
 
 AdvantageNorm = Literal["group", "batch"]
@@ -71,6 +71,8 @@ def check_part(slot: str, part: object) -> None:
     kind, arguments = SLOTS[slot]
     elsewhere = {other: f"did you mean {key}=?" for key, (other, _) in SLOTS.items() if key != slot}
     check_instance(f"Custom({slot}={{}})", part, kind, elsewhere)
+    if isinstance(part, RatioGate):
+        check_requires(part)
     check_call(f"Custom({slot}={{}})", part, arguments, part.requires if isinstance(part, RatioGate) else ())
 
 
