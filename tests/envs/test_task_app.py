@@ -2,6 +2,7 @@ import asyncio
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,36 +167,30 @@ def test_input_the_app_cannot_use_is_answered_4xx_never_500():
         assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": "1"})[0] == 400  # a turn not a number
 
 
-def test_the_client_does_not_retry_a_refusal_and_says_what_was_refused():
-    faults = Faults(where="/step")
-
-    async def refused_action(url: str) -> None:
-        async with TaskApp(task_url=url, **FAST) as app:
-            episode, _ = await app.open(3, "guess 1-8:")
-            await app.step(episode, "refuse", 0)
-
-    refused = pytest.raises(TaskAppError, match=r"refused with HTTP 422 \(not retried.*cannot use this action")
-    with serve(with_faults(make_app(PickyGuess()), faults)) as url, refused:
-        asyncio.run(refused_action(url))
-    assert faults.count("POST", "/step") == 1
-
-
 class DoneAsText(NumberGuess):
     def step(self, action: str):
         return "higher\n", 0.0, "false", {}
 
 
-def test_a_served_environment_whose_step_answer_is_no_step_is_refused_once_naming_the_field():
-    # 422, not a retried 500: a retry would step the episode again, and the message reaches the trainer
+@pytest.mark.parametrize(
+    ("env", "action", "says"),
+    [
+        (PickyGuess(), "refuse", "cannot use this action"),
+        # a served environment whose answer is no Step: 422, not a retried 500 that would step the episode again
+        (DoneAsText(), "4", "DoneAsText.step returned done='false'"),
+    ],
+    ids=["refused_action", "answer_not_a_step"],
+)
+def test_the_client_does_not_retry_a_refusal_and_says_what_was_refused(env, action, says):
     faults = Faults(where="/step")
 
     async def one_turn(url: str) -> None:
         async with TaskApp(task_url=url, **FAST) as app:
             episode, _ = await app.open(3, "guess 1-8:")
-            await app.step(episode, "4", 0)
+            await app.step(episode, action, 0)
 
-    refused = pytest.raises(TaskAppError, match=r"HTTP 422 \(not retried.*DoneAsText.step returned done='false'")
-    with serve(with_faults(make_app(DoneAsText()), faults)) as url, refused:
+    refused = pytest.raises(TaskAppError, match=rf"refused with HTTP 422 \(not retried.*{re.escape(says)}")
+    with serve(with_faults(make_app(env), faults)) as url, refused:
         asyncio.run(one_turn(url))
     assert faults.count("POST", "/step") == 1
 
