@@ -9,6 +9,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -276,4 +277,25 @@ def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        return False
+
+
+def protocol_problem(answer: Any, fields: Mapping[str, tuple[tuple[type, ...], str]]) -> str | None:
+    """What is wrong with a service's JSON ``answer`` against ``fields`` (each key: the JSON types it may have,
+    checked exactly, so that a JSON ``true`` is no number; and how the protocol describes them; every one required
+    but ``info``), or None."""
+    required = tuple(key for key in fields if key != "info")
+    if not (isinstance(answer, dict) and all(key in answer for key in required)):
+        return f"expected an object with {required}"
+    for key, (types, described) in fields.items():
+        value = answer.get(key)
+        if key in answer and (type(value) not in types or (float in types and not _finite(value))):
+            return f"its field {key!r} must be {described}, not {value!r:.60}"
+    return None
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an integer past float's range
         return False

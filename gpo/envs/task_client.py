@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-import math
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
 import aiohttp
 
 from gpo.envs.base import Episodes, Step
-from gpo.envs.http import Retries, ServiceError, bearer, request_json, token_from, wait_healthy
+from gpo.envs.http import (
+    Retries,
+    ServiceError,
+    bearer,
+    protocol_problem,
+    request_json,
+    token_from,
+    wait_healthy,
+)
 
 TOKEN_ENV = "GPO_TASK_APP_TOKEN"  # the shared secret, read by TaskApp and by the reference app (gpo.envs.task_app)
 HINTS = {
@@ -30,25 +35,6 @@ STEPPED = {
     "done": ((bool,), "true or false"),
     "info": ((dict, type(None)), "an object"),
 }
-
-
-def protocol_problem(answer: Any, fields: Mapping[str, tuple[tuple[type, ...], str]]) -> str | None:
-    """What is wrong with a task app's ``answer`` against ``fields`` (every one required but ``info``), or None."""
-    required = tuple(key for key in fields if key != "info")
-    if not (isinstance(answer, dict) and all(key in answer for key in required)):
-        return f"expected an object with {required}"
-    for key, (types, described) in fields.items():
-        value = answer.get(key)
-        if key in answer and (type(value) not in types or (float in types and not _finite(value))):
-            return f"its field {key!r} must be {described}, not {value!r:.60}"
-    return None
-
-
-def _finite(number: float) -> bool:
-    try:
-        return math.isfinite(number)
-    except OverflowError:  # an integer past float's range
-        return False
 
 
 class TaskAppError(ServiceError):

@@ -11,16 +11,25 @@ for an outcome, every turn (and ``turn`` is the last).
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import aiohttp
 
-from gpo.envs.http import Retries, ServiceError, bearer, request_json, token_from, wait_healthy
+from gpo.envs.http import (
+    Retries,
+    ServiceError,
+    bearer,
+    protocol_problem,
+    request_json,
+    token_from,
+    wait_healthy,
+)
 from gpo.rewards.runner import ServedReward
 
 JudgeKind = Literal["event", "outcome"]
+#: What a judge's answer to ``POST /score`` holds (``protocol_problem``: a JSON ``true`` is no score).
+SCORED = {"score": ((int, float), "a finite number")}
 TOKEN_ENV = "GPO_JUDGE_TOKEN"  # the shared secret, read by JudgeReward and by the reference judge (judge_app)
 HINTS = {
     401: f"Give the judge's token as JudgeReward's token or the environment variable {TOKEN_ENV}.",
@@ -139,10 +148,9 @@ class JudgeReward(ServedReward):
                         session, "POST", f"{self.judge_url}/score", request,
                         retries=self.retries, describe=describe, hints=HINTS,
                     )  # fmt: skip
-                score = answer.get("score") if isinstance(answer, dict) else None
-                if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
+                if protocol_problem(answer, SCORED) is not None:
                     raise JudgeError(f"{describe}: POST /score answered {answer!r:.200}; expected {{'score': number}}.")
-                return float(score)
+                return float(answer["score"])
 
             try:
                 return list(await asyncio.gather(*(one(r) for r in requests)))
