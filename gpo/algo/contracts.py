@@ -15,6 +15,11 @@ from gpo.algo.weighting import TokenWeight
 
 #: The list arguments of token parts: the kind of part each takes.
 TOKEN_PARTS: dict[str, type] = {"masks": TokenMask, "token_weights": TokenWeight}
+#: Where a part of each kind goes, for a token part given in the wrong place.
+TOKEN_PART_PLACES: dict[type, str] = {
+    **{kind: f"did you mean {field}=?" for field, kind in TOKEN_PARTS.items()},
+    RatioGate: "a gate goes in the algorithm, Custom(gate=...).",
+}
 #: What a weight that drops tokens (``drops_tokens``) can read: the rollout's flags, before any model pass.
 DROPPING_INPUTS = frozenset({"truncated"})
 #: What a weight that scales advantages cannot read: it is fixed for the step, before any gradient pass.
@@ -63,10 +68,8 @@ def check_token_parts(masks: Sequence[TokenMask], token_weights: Sequence[TokenW
             raise TypeError(f"{field}={name}(...) is one part; give a list of parts: {field}=[{name}(...)].")
         if isinstance(parts, str) or not isinstance(parts, Sequence):
             raise TypeError(f"{field} is a {type(parts).__name__}; give a list of parts.")
-        elsewhere = {TokenMask: "did you mean masks=?", TokenWeight: "did you mean token_weights=?",
-                     RatioGate: "a gate goes in the algorithm, Custom(gate=...)."}  # fmt: skip
         for index, part in enumerate(parts):
-            check_instance(f"{field}[{index}]={{}}", part, TOKEN_PARTS[field], elsewhere)
+            check_instance(f"{field}[{index}]={{}}", part, TOKEN_PARTS[field], TOKEN_PART_PLACES)
             check_requires(part)
             if isinstance(part, TokenWeight) and part.drops_tokens and not part.requires <= DROPPING_INPUTS:
                 raise TypeError(f"{field}[{index}]={type(part).__name__}(...) drops tokens (drops_tokens = True) and "

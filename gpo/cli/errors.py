@@ -283,11 +283,7 @@ def _union_members(message: str) -> list[type]:
 def _takes_a_list_of(cls: type, key: str, known: Mapping[str, Any]) -> bool:
     """Whether the setting ``key`` of a ``known`` group is a list of parts of ``cls``'s kind (``model.masks``)."""
     group, _, name = key.replace(".init_args.", ".").rpartition(".")
-    owner = known.get(group)
-    try:
-        hint = typing.get_type_hints(owner.__init__).get(name) if owner is not None else None
-    except (NameError, TypeError):  # annotations that do not resolve: nothing to read them by
-        return False
+    hint = _settings_types(known.get(group)).get(name)
     items = typing.get_args(hint) if typing.get_origin(hint) in (Sequence, list, tuple) else ()
     return len(items) == 1 and inspect.isclass(items[0]) and issubclass(cls, items[0])
 
@@ -299,18 +295,23 @@ def _setting_taking(cls: type, key: str, message: str) -> str | None:
     group, _, name = key.rpartition(".")
     owners = [path for path, setting in _OWNER.findall(message) if setting == name]
     owner = _import(owners[-1]) if owners else None
-    if not inspect.isclass(owner):
-        return None
-    try:
-        hints = typing.get_type_hints(owner.__init__)
-    except (NameError, TypeError):  # annotations that do not resolve: nothing to read them by
-        return None
     taking = [
         setting
-        for setting, hint in hints.items()
+        for setting, hint in _settings_types(owner).items()
         if any(inspect.isclass(kind) and issubclass(cls, kind) for kind in typing.get_args(hint) or (hint,))
     ]
     return f"{group}.{taking[0]}".replace(".init_args.", ".") if taking else None
+
+
+def _settings_types(owner: Any) -> dict[str, Any]:
+    """The annotated types of class ``owner``'s constructor parameters; empty for no class, or for annotations that do
+    not resolve (nothing to read them by)."""
+    if not inspect.isclass(owner):
+        return {}
+    try:
+        return typing.get_type_hints(owner.__init__)
+    except (NameError, TypeError):
+        return {}
 
 
 def _closest_in_module(module_name: str, name: str, wanted: Callable[[Any], bool]) -> str:

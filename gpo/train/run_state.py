@@ -93,6 +93,11 @@ def changed_keys(saved: dict[str, str], current: dict[str, str]) -> list[str]:
     return [key for key in saved if key in current and saved[key] != current[key]]
 
 
+def described_differences(saved: dict[str, str], current: dict[str, str], keys: list[str]) -> list[str]:
+    """``key: SAVED in the checkpoint, CURRENT now`` for each of ``keys``."""
+    return [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in keys]
+
+
 #: The keys of ``describe_run`` that describe an algorithm part (``describe``).
 PART_KEYS = ("advantage", "gate", "aggregator")
 
@@ -100,7 +105,7 @@ PART_KEYS = ("advantage", "gate", "aggregator")
 def check_same_run(saved: dict[str, str], current: dict[str, str], checkpoint: str) -> None:
     """Refuse to resume a checkpoint written under another model or algorithm, naming each difference."""
     changed = changed_keys(saved, current)
-    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now" for key in changed]
+    differences = described_differences(saved, current, changed)
     if differences:
         own = _own_part_described_otherwise(saved, current, changed)
         learnt = (
@@ -135,8 +140,7 @@ WEIGHTS_KEYS = ("model", "trainer_mode")
 def check_same_weights(saved: dict[str, str], current: dict[str, str]) -> None:
     """Refuse to load a checkpoint's weights into a policy of another shape (a LoRA run's into a full one, another
     model), naming each difference, before Lightning lists every missing and unexpected parameter."""
-    differences = [f"{key}: {saved[key]} in the checkpoint, {current[key]} now"
-                   for key in changed_keys(saved, current) if key in WEIGHTS_KEYS]  # fmt: skip
+    differences = described_differences(saved, current, [k for k in changed_keys(saved, current) if k in WEIGHTS_KEYS])
     if differences:
         raise ValueError(
             f"the checkpoint's weights belong to another policy ({'; '.join(differences)}): give GPOModule the "

@@ -71,9 +71,11 @@ def check_part(slot: str, part: object) -> None:
     kind, arguments = SLOTS[slot]
     elsewhere = {other: f"did you mean {key}=?" for key, (other, _) in SLOTS.items() if key != slot}
     check_instance(f"Custom({slot}={{}})", part, kind, elsewhere)
-    if isinstance(part, RatioGate):
+    named = frozenset()
+    if isinstance(part, RatioGate):  # a gate's requires are given by name
         check_requires(part)
-    check_call(f"Custom({slot}={{}})", part, arguments, part.requires if isinstance(part, RatioGate) else ())
+        named = part.requires
+    check_call(f"Custom({slot}={{}})", part, arguments, named)
 
 
 @dataclass(frozen=True)
