@@ -135,6 +135,29 @@ def test_nested_settings_have_their_own_help():
     assert "--model.algorithm.clip_high" in help_text("fit", "--model.algorithm.help", "DAPO")
 
 
+@pytest.mark.parametrize("name", ["DuplicatePenalty", "gpo.rewards.DuplicatePenalty"])
+def test_a_reward_class_has_its_settings_help_as_a_part_has(name, fit_help):
+    printed = help_text("fit", "--model.rewards.help", name)
+    assert "Help for --model.rewards.help=gpo.rewards.shaping.DuplicatePenalty" in printed, printed
+    assert "--model.rewards.penalty PENALTY" in printed and "default: -1.0" in printed, printed
+    assert "CONFIG" not in printed and "--help" not in printed, printed  # the class's settings alone
+    assert "--model.rewards.help" in fit_help[fit_help.index("Nested settings") :]
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("JudgeRewad", "did you mean JudgeReward? gpo.rewards has the classes DuplicatePenalty, JudgeReward,"),
+        ("exact_match", "exact_match is a function, which takes no settings"),
+        ("nosuchmodule.Bonus", "No module named 'nosuchmodule'; gpo.rewards has the classes"),
+    ],
+)
+def test_reward_help_for_a_name_that_is_no_reward_class_says_which_are(capsys, name, said):
+    err = fit_error(capsys, "--model.rewards.help", name)
+    assert err.startswith(f"gpo fit: error: --model.rewards.help {name}: ") and said in err, err
+    assert "JudgeError" not in err and "ServedReward" not in err, err  # an exception and an abstract base: no rewards
+
+
 def test_lightnings_optimizer_flags_are_not_offered_and_point_to_model_optim(fit_help, capsys):
     assert "--optimizer" not in fit_help and "--lr_scheduler" not in fit_help
     with pytest.raises(SystemExit) as exit_info:
@@ -339,6 +362,13 @@ def test_a_module_of_ones_own_not_found_says_where_modules_are_imported_from(cap
     err = fit_error(capsys, *args)
     assert f"imported from the working directory ({Path.cwd()}) and PYTHONPATH" in err, err
     assert "run from the folder that holds nosuchmodule.py" in err, err
+
+
+def test_reward_settings_without_their_class_get_no_module_advice(tmp_path, capsys):
+    classless = tmp_path / "classless.yaml"
+    classless.write_text("model:\n  rewards:\n    - init_args: {penalty: -0.5}\n")
+    err = fit_error(capsys, "--config", str(classless))
+    assert "Dict must include a class_path" in err and "import path" not in err, err
 
 
 def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):

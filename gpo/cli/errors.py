@@ -47,6 +47,7 @@ _UNTAKEN_CLASS = (_NOT_A_CLASS, _NOT_SUBCLASS, _NO_SUCH_CLASS)
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 #: A function-typed setting (a reward) whose value is not one: jsonargparse's account, with the type's full text.
 _NOT_CALLABLE = re.compile(r"Type .+? expects a function or a callable class: (.+)\. Got value: (.+)")
+_IMPORT_PATH_TEXT = re.compile(r"[A-Za-z_][\w.]*")  # what a value naming a function or class looks like
 #: The class a nested setting belongs to, and the setting: ``class_path 'gpo.algo.Custom': Parser key "advantage"``.
 _OWNER = re.compile(r"Problem with given class_path '([\w.]+)':\s*Parser key \"(\w+)\"")
 _ABSTRACT_TYPE = re.compile(r"Expected an instantiatable class, but ([\w.]+) is abstract")
@@ -171,7 +172,10 @@ def _unresolved_callable(reason: str, value: str) -> str:
     """A function or callable class (a reward) that ``value`` does not name: the path and why, with the closest name
     in its module when the module lacks it (not jsonargparse's ``Type collections.abc.Callable[...]`` text)."""
     missing = _NO_ATTRIBUTE.search(reason)
-    guess = _closest_in_module(*missing.groups(), callable) if missing else _missing_module(value.rpartition(".")[0])
+    if missing:
+        guess = _closest_in_module(*missing.groups(), callable)
+    else:  # a dotted name whose package is nowhere; not settings given without their class (a Namespace(...))
+        guess = _missing_module(value.rpartition(".")[0]) if _IMPORT_PATH_TEXT.fullmatch(value) else ""
     return f"{value}: {reason}" + (f"; {guess}" if guess else "")
 
 

@@ -87,6 +87,7 @@ class GPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments(("model.policy", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_folder)
         parser.set_defaults({"model.engine": {"class_path": "gpo.rollout.HFEngine"}})
+        parser.add_argument("--model.rewards.help", action=helptext.RewardClassHelp)
         parser.add_argument(
             "--export",
             type=Literal["merged", "adapter", "none"],

@@ -4,11 +4,16 @@ and how to reach the rest (``--help-all``, nested settings, algorithm names, shi
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import textwrap
+from collections.abc import Sequence
+from typing import Any
 
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
 from gpo.cli.shipped import shipped_configs
+from gpo.suggest import did_you_mean
 
 #: The Trainer methods ``gpo`` runs, with their line in ``gpo --help`` (GPOModule has no test or predict step).
 SUBCOMMANDS = {
@@ -53,6 +58,61 @@ def description(line: str) -> str:
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
     """jsonargparse's formatter (types and defaults), with the description and epilog printed as written."""
+
+
+class RewardClassHelp(argparse.Action):
+    """``--model.rewards.help CLASS``: a reward class's settings, as ``--model.kl.help KLPenalty`` shows a part's
+    (jsonargparse gives a list of functions no such flag). ``CLASS``: a class of ``gpo.rewards`` by name, or an import
+    path."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_: Any) -> None:
+        super().__init__(option_strings, dest, metavar="CLASS_PATH_OR_NAME", default=argparse.SUPPRESS,
+                         help="Show the help for the given reward class and exit.")  # fmt: skip
+
+    def __call__(self, parser: ArgumentParser, namespace: Any, value: Any, option_string: str | None = None) -> None:
+        reward = reward_class(value, f"{option_string} {value}")
+        subparser = ArgumentParser(
+            prog=parser.prog,
+            description=f"Help for {option_string}={reward.__module__}.{reward.__qualname__}",
+            formatter_class=HelpFormatter,
+            add_help=False,
+        )
+        key = self.dest.removesuffix(".help")
+        subparser.add_class_arguments(reward, key)
+        for action in subparser._actions:
+            if action.dest == key:  # the nested config file's flag: the settings are the help's subject
+                action.help = argparse.SUPPRESS
+        subparser.print_help()
+        parser.exit()
+
+
+def reward_class(value: str, label: str) -> type:
+    """The reward class ``value`` names (a ``gpo.rewards`` name or an import path); a ValueError starting with
+    ``label`` when it names none."""
+    import gpo.rewards
+
+    module_name, _, name = (value if "." in value else f"gpo.rewards.{value}").rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        shipped = sorted(name for name in gpo.rewards.__all__ if _is_reward(getattr(gpo.rewards, name)))
+        guess = did_you_mean(value, shipped, then=" ")
+        raise ValueError(f"{label}: {err}; {guess}gpo.rewards has the classes {', '.join(shipped)}, and a class of "
+                         "one's own is given by its import path (my_rewards.MyReward).") from None  # fmt: skip
+    if not inspect.isclass(found):
+        raise ValueError(f"{label}: {value} is a function, which takes no settings; its docstring: "
+                         f"python -c 'help(\"{module_name}.{name}\")'.")  # fmt: skip
+    return found
+
+
+def _is_reward(member: object) -> bool:
+    """A reward class one can give: a concrete class whose instances are called (not an error or an abstract base)."""
+    return (
+        inspect.isclass(member)
+        and inspect.isfunction(member.__call__)
+        and not inspect.isabstract(member)
+        and not issubclass(member, BaseException)
+    )
 
 
 def describe_config(parser: ArgumentParser) -> None:
