@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gpo.algo.gates.base import Metrics, RatioGate
 from gpo.algo.masks import TokenMask
+from gpo.algo.mixers import RewardMixer
 from gpo.algo.weighting import TokenWeight
 
 #: The list arguments of token parts: the kind of part each takes.
@@ -133,6 +134,22 @@ def checked_weight_output(w: object, weight: TokenWeight, mask: Tensor) -> Tenso
         raise ValueError(f"the token weight {type(weight).__name__} returned {shape}; TokenWeight.__call__ returns "
                          f"one weight per token, [B, T] = {list(mask.shape)}.")  # fmt: skip
     return w
+
+
+def checked_mixer_output(reward: object, mixer: RewardMixer, scores: Tensor) -> Tensor:
+    """``mixer``'s output ``reward`` if it is one finite reward per completion, ``[B]`` for ``scores[B, K]``; else a
+    ValueError naming the mixer (the scores are finite: the reward runner refuses or replaces others). A NaN reward
+    would otherwise vanish into a zero advantage (a group's NaN standard deviation divides nothing)."""
+    name, rows = f"the reward mixer {type(mixer).__name__}", scores.shape[0]
+    if not isinstance(reward, Tensor) or reward.shape != (rows,):
+        shape = list(reward.shape) if isinstance(reward, Tensor) else type(reward).__name__
+        raise ValueError(f"{name} returned {shape}; RewardMixer.__call__ returns one reward per completion, [B] = "
+                         f"[{rows}].")  # fmt: skip
+    not_finite = int((~torch.isfinite(reward)).sum())
+    if not_finite:
+        raise ValueError(f"{name} returned a reward that is not finite (nan or inf) for {not_finite} of {rows} "
+                         "completions, whose reward functions' scores are finite.")  # fmt: skip
+    return reward
 
 
 def check_metrics(name: str, metrics: Metrics) -> None:

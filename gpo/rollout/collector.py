@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gpo.algo.contracts import checked_mixer_output
 from gpo.algo.mixers import RewardMixer, WeightedSum
 from gpo.rewards.runner import RewardErrors, RewardFn, ServedReward, score
 from gpo.rollout.base import Rollout, RolloutEngine, Sampling
@@ -131,5 +132,5 @@ class Collector:
         scored = score(self.rewards, rollout, self.reward_errors)
         rollout.scores = scored.values.to(self.device)  # [B, K]
         errors.update(scored.replaced)
-        rollout.reward = self.mixer(rollout.scores, rollout.group)  # [B]
+        rollout.reward = checked_mixer_output(self.mixer(rollout.scores, rollout.group), self.mixer, rollout.scores)
         return rollout

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
 from gpo.algo.gates.base import Metrics
-from gpo.algo.objective import ALWAYS_GIVEN, PolicyObjective, combine_statistics
+from gpo.algo.objective import ALWAYS_GIVEN, LOSS_TOKENS, MASK_TOKENS, PolicyObjective, combine_statistics
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
@@ -124,15 +124,20 @@ class Learner:
 
     def has_loss_tokens(self, mask: Tensor, step: int, *, final: bool = True) -> bool:
         """Whether any rank's ``mask[B, T]`` keeps a token in the loss (one all-reduce). A step without is not trained
-        (no optimiser step on an empty loss); ``EMPTY_LOSS_WARNING`` such steps in a row are warned about. A mask
-        that the step masks may still shrink (``final`` False) does not end a streak."""
-        if float(collectives.reduce_over_ranks(mask.sum(), "sum")) > 0:
+        (no optimiser step on an empty loss). A mask that the token masks may still shrink (``final`` False) does not
+        end a streak of such steps (``note_loss_tokens``)."""
+        return self.note_loss_tokens(float(collectives.reduce_over_ranks(mask.sum(), "sum")) > 0, step, final=final)
+
+    def note_loss_tokens(self, some: bool, step: int, *, final: bool = True) -> bool:
+        """Count a step that left ``some`` token in the loss, or none: ``EMPTY_LOSS_WARNING`` steps in a row without
+        are warned about (a per-update mask that drops every token trains nothing either). Returns ``some``."""
+        if some:
             if final:
                 self.empty_streak = 0
             return True
         self.empty_streak += 1
         if self.empty_streak == EMPTY_LOSS_WARNING:
-            dropping = ", ".join(type(part).__name__ for part in [*self.objective.dropping, *self.objective.step_masks])
+            dropping = ", ".join(type(part).__name__ for part in [*self.objective.dropping, *self.objective.masks])
             log.warning(
                 "optimiser step %d: no token was left in the loss for %d steps in a row, so nothing trained (token "
                 "weights and masks that drop tokens: %s; OverlongFilter drops every completion that reaches "
@@ -166,13 +171,14 @@ class Learner:
         widths are read on the host once per step, so no micro-batch waits for the device."""
         inputs, fixed_metrics = self.step_inputs(rollout, mask)
         mask, mask_metrics = self.objective.step_mask(mask, adv, **inputs)  # before any normaliser is taken
-        if self.objective.step_masks and not self.has_loss_tokens(mask, backend.step):
+        final = not self.objective.update_masks  # else the gate's tokens are counted after the updates
+        if self.objective.step_masks and not self.has_loss_tokens(mask, backend.step, final=final):
             return None  # an optimiser step on an empty loss would still move the weights (momentum, decay)
         adv = self.objective.weigh(adv, mask, **inputs)
         batch = StepBatch(rollout, adv, mask, inputs, rollout.lengths.tolist())
         zero = torch.zeros((), device=backend.device)
         measured: list[Metrics] = []  # each micro-batch's objective metrics
-        losses, norms, skipped = [], [], 0
+        losses, norms, skipped, gated = [], [], 0, 0.0
         bounds = collectives.minibatch_bounds(len(rollout), self.optim.number_of_minibatches)
         for epoch in range(self.optim.ppo_epochs):
             order = torch.randperm(len(rollout)) if epoch else None  # None: the rows in order
@@ -181,8 +187,11 @@ class Learner:
                 if applied is None:
                     skipped += 1
                 else:
-                    losses.append(applied[0])
-                    norms.append(applied[1])
+                    losses.append(applied.loss)
+                    norms.append(applied.grad_norm)
+                    gated += applied.gated_tokens
+        if self.objective.update_masks:
+            self.note_loss_tokens(gated > 0, backend.step)
         out = combine_statistics(measured)
         out["loss"], out["grad/norm"] = (mean(losses), mean(norms)) if losses else (zero + math.nan, zero + math.nan)
         out["train/nonfinite_skipped"] = zero + skipped
@@ -235,10 +244,11 @@ class Learner:
     def _minibatch(
         self, batch: StepBatch, order: Tensor | None, start: int, stop: int, backend: Backend,
         measured: list[Metrics],
-    ) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    ) -> Update | None:  # fmt: skip
         """One optimiser update on the rows at positions ``start:stop`` of ``order`` (None: the rows in order);
-        appends each micro-batch's diagnostics to ``measured``; returns the update's loss and gradient norm, or None
-        when it was skipped (not finite)."""
+        appends each micro-batch's diagnostics to ``measured``; returns the update's loss, gradient norm and gate
+        tokens, or None when it was skipped (not finite). A normaliser that is not positive where the loss mask holds
+        tokens is refused, naming the aggregator (the aggregator's floor of 1e-12 would scale the loss up 1e12)."""
         minibatch = batch.rows(order, start, stop)
         normaliser = collectives.ddp_normaliser(self.objective.aggregator.normaliser(batch.mask[minibatch.index]))
         size = self.optim.micro_batch_size or stop - start
@@ -246,17 +256,24 @@ class Learner:
         backend.optimizer.zero_grad()
         if backend.sharded:
             fsdp.check_same_count(len(micros), "micro-batches", backend.device)
-        losses = []
+        counted = []  # per micro-batch: loss, the gate's tokens and the loss mask's, which add up to the minibatch's
         for index, micro in enumerate(micros):
             loss, metrics = self._micro_loss(batch, micro, normaliser)
             with backend.gradient_sync(index == len(micros) - 1):
                 backend.backward(loss)
-            losses.append(loss.detach())  # micro-batch losses add up to the minibatch loss
+            counted.append(torch.stack([loss.detach().float(), metrics[LOSS_TOKENS], metrics[MASK_TOKENS]]))
             measured.append({key: value.detach() for key, value in metrics.items()})
-        loss = collectives.mean_over_ranks(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
+        totals = collectives.mean_over_ranks(counted[0] if len(counted) == 1 else torch.stack(counted).sum(0))  # [3]
         scale = backend.scaler.get_scale() if backend.scaler is not None else 1.0  # 16-mixed: a second host sync
         norm = self._clip(scale)
-        loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()  # one host sync per update
+        divisor = torch.as_tensor(normaliser, dtype=torch.float32, device=norm.device).reshape(1)
+        read = torch.cat([totals, norm.float().reshape(1), divisor]).tolist()  # one host sync per update
+        loss_value, gated, masked, norm_value, divisor_value = read
+        if masked > 0 and not (math.isfinite(divisor_value) and divisor_value > 0):
+            name = type(self.objective.aggregator).__name__
+            raise ValueError(f"the loss aggregator {name} gave the normaliser {divisor_value:g} for a minibatch with "
+                             "tokens in the loss; LossAggregator.normaliser returns the loss's positive divisor (its "
+                             "tokens, sequences or a constant), summed over micro-batches and ranks.")  # fmt: skip
         if scale >= 1.0 and backend.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
             # A scale below 1 cannot overflow float16: there the gradient itself is not finite, for the guard below.
             log.info("optimiser step %d: the float16 loss scale %g overflowed the gradients; the scaler skips the "
@@ -270,7 +287,7 @@ class Learner:
             return None
         backend.optimizer.step()
         backend.scheduler.step()
-        return loss, norm
+        return Update(totals[0], norm, gated)
 
     def _clip(self, scale: float) -> Tensor:
         """Clip the gradients' global norm at ``optim.max_grad_norm`` (FSDP2: over every rank's shards); returns the
@@ -299,6 +316,15 @@ class Learner:
             scores.logp, scores.logp.detach() if old is None else old, batch.adv[rows, :width],
             batch.mask[rows, :width], normaliser, entropy=scores.entropy, **fixed, **current,
         )  # fmt: skip
+
+
+class Update(NamedTuple):
+    """One optimiser update applied: its loss and gradient norm (0-d tensors), and the tokens its gate covered (the
+    mean over ranks, on the host: 0 only when it covered none on any rank)."""
+
+    loss: Tensor
+    grad_norm: Tensor
+    gated_tokens: float
 
 
 class Rows(NamedTuple):

@@ -302,7 +302,7 @@ class GPOModule(RolloutSource, LightningModule):
         if not collectives.every_rank_holds(rows, self.learner.optim.number_of_minibatches, self.device):
             return None, dropped
         mask = self.learner.objective.loss_mask(rollout.loss_mask.float(), rollout.truncated)  # [B, T]
-        final = not self.learner.objective.step_masks  # else the update applies them, and checks again
+        final = not self.learner.objective.masks  # else the update applies them, and counts again
         trains = self.learner.has_loss_tokens(mask, self.trainer.global_step, final=final)
         return ((rollout, mask) if trains else None), dropped
 

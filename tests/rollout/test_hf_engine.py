@@ -1,10 +1,12 @@
 import copy
 import logging.handlers
+import math
 import re
 
 import pytest
 import torch
 
+from gpo.algo import WeightedSum
 from gpo.models.scorer import position_ids, score_tokens
 from gpo.rollout import HFEngine, Sampling
 from gpo.rollout.hf import completion_mask, grouped_prompts
@@ -259,6 +261,43 @@ def test_the_collector_gives_every_completion_its_prompt_its_fields_and_its_text
     for row, text in enumerate(rollout.completions):
         tokens = rollout.completion_ids[row][rollout.completion_mask[row].bool()].tolist()
         assert text == tok.decode([t for t in tokens if t != tok.eos_token_id]), row
+
+
+class Mixed(WeightedSum):
+    """The weighted sum, with ``how`` applied to it."""
+
+    def __init__(self, how) -> None:
+        super().__init__()
+        self.how = how
+
+    def __call__(self, scores, group):
+        return self.how(super().__call__(scores, group))
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        (lambda reward: reward * torch.nan, "returned a reward that is not finite (nan or inf) for 8 of 8 completions"),
+        (
+            lambda reward: torch.where(reward > -1, math.inf, 0.0),
+            "returned a reward that is not finite (nan or inf) for 8 of 8",
+        ),
+        (lambda reward: reward[:4], "returned [4]; RewardMixer.__call__ returns one reward per completion, [B] = [8]"),
+        (lambda reward: reward.tolist(), "returned list; RewardMixer.__call__ returns one reward per completion"),
+    ],
+    ids=["nan", "inf", "too few", "list"],
+)
+def test_a_mixer_whose_reward_is_not_one_finite_value_per_completion_is_named(policy_and_tokenizer, how, said):
+    """A NaN reward would vanish into zero advantages (a NaN group std divides nothing) and the run would look fine."""
+    from gpo.rollout.collector import Collector
+
+    model, tok = policy_and_tokenizer
+    collector = Collector(HFEngine(sampling=Sampling(max_new_tokens=4)), [lambda prompts, completions, **_: [1.0] * 8],
+                          mixer=Mixed(how), group_size=4)  # fmt: skip
+    collector.setup(model, tok)
+    batch = {"prompt": ["ab", "cde"], "prompt_ids": [tok("ab").input_ids, tok("cde").input_ids], "fields": {}}
+    with pytest.raises(ValueError, match=re.escape(f"the reward mixer Mixed {said}")):
+        collector.collect(batch)
 
 
 def test_logprobs_are_at_the_temperature_the_call_samples_at(policy_and_tokenizer):

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from gpo.algo import ClipGate, EntropyBonus, TokenMean
 from gpo.algo.distillation import TeacherKL
-from gpo.algo.masks import MismatchBandMask, SecondMomentMask
+from gpo.algo.masks import MismatchBandMask, SecondMomentMask, TokenMask
 from gpo.algo.objective import LOSS_TOKENS, MASK_TOKENS, PolicyObjective, combine_statistics
 from gpo.algo.regularizers import AdaptiveEntropy
 from gpo.models.scorer import TokenScorer
@@ -235,10 +235,11 @@ def test_each_update_trains_its_own_rows_normalised_by_them_and_the_logged_loss_
     assert updates[0][0] is None and updates[1][0] is None  # the first epoch: the rows in order
     order = updates[2][0]
     assert updates[3][0] is order and sorted(order.tolist()) == list(range(12)) and order.tolist() != list(range(12))
-    for order, start, stop, (loss, _) in updates:
+    for order, start, stop, (loss, _, gated) in updates:
         rows = torch.arange(12)[start:stop] if order is None else order[start:stop]
         expected = -(adv[rows] * mask[rows]).sum() / mask[rows].sum()
         assert loss.item() == pytest.approx(expected.item(), abs=1e-5), (start, order)
+        assert gated == mask[rows].sum()  # no mask dropped any: the gate covered every token of the update
     losses, norms = [float(u[3][0]) for u in updates], [float(u[3][1]) for u in updates]
     assert len(set(losses)) == 4  # the mean differs from any one update's
     assert metrics["loss"].item() == pytest.approx(sum(losses) / 4, abs=1e-6)
@@ -340,3 +341,70 @@ def test_a_step_whose_step_masks_leave_no_token_takes_no_optimiser_step():
     assert taught.update(rollout, adv, rollout.completion_mask.float(), backend) is None
     assert_same_parameters(policy, before)
     assert backend.scheduler.last_epoch == lr_steps and taught.empty_streak == 1
+
+
+class DropsAbove(TokenMask):
+    """A per-update mask (it reads the entropy) keeping the tokens whose entropy is at most ``bound``."""
+
+    requires = frozenset({"entropy"})
+
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+
+    def __call__(self, mask, *, entropy):
+        return (mask > 0) & (entropy <= self.bound), {}
+
+
+def test_steps_whose_per_update_masks_leave_the_gate_no_token_count_into_the_empty_loss_streak(caplog):
+    """Such a step trains nothing from its surrogate (only the KL and entropy terms could): it counts like a step the
+    step masks empty, a step whose gate covered tokens ends the streak, and the fifth in a row is warned about."""
+    import logging
+
+    policy = tiny_model("llama", seed=1)
+    everything, nothing = DropsAbove(math.inf), DropsAbove(-1.0)
+    taught, backend = learner(policy, masks=[everything])
+    rollout, adv = sampled(policy)
+    mask = rollout.completion_mask.float()
+    taught.empty_streak = 3
+    assert taught.update(rollout, adv, mask, backend)[LOSS_TOKENS] > 0 and taught.empty_streak == 0
+    taught.objective.update_masks[0].bound = nothing.bound
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        for step in range(5):
+            assert taught.update(rollout, adv, mask, backend)[LOSS_TOKENS] == 0
+            assert taught.empty_streak == step + 1
+    [warning] = [r.getMessage() for r in caplog.records if "no token was left in the loss" in r.getMessage()]
+    assert "for 5 steps in a row" in warning and "DropsAbove" in warning
+
+
+class Normalised(TokenMean):
+    """TokenMean with a normaliser of one's own: ``value`` whatever the mask."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def normaliser(self, mask):
+        return torch.tensor(self.value)
+
+
+@pytest.mark.parametrize("value", [0.0, -3.0, math.nan, math.inf])
+def test_a_normaliser_that_is_not_positive_and_finite_is_refused_naming_the_aggregator(value):
+    """The aggregator floors its divisor at 1e-12: a normaliser of 0 would scale the loss up 1e12, unseen (clipping
+    hides it in the gradient), and a negative one would turn the loss around."""
+    policy = tiny_model("llama", seed=1)
+    before = copy.deepcopy(policy)
+    taught, backend = learner(policy)
+    taught.objective.aggregator = Normalised(value)
+    rollout, adv = sampled(policy)
+    said = f"the loss aggregator Normalised gave the normaliser {value:g} for a minibatch with tokens in the loss; "
+    with pytest.raises(ValueError, match=said + "LossAggregator.normaliser returns"):
+        taught.update(rollout, adv, rollout.completion_mask.float(), backend)
+    assert_same_parameters(policy, before)  # refused before the optimiser step
+
+
+def test_a_zero_normaliser_over_an_empty_loss_mask_is_no_error():
+    """A minibatch with no token in its loss mask has nothing to divide: TokenMean's normaliser is 0 there."""
+    policy = tiny_model("llama", seed=1)
+    taught, backend = learner(policy)
+    rollout, adv = sampled(policy)
+    metrics = taught.update(rollout, adv, torch.zeros_like(rollout.completion_mask, dtype=torch.float), backend)
+    assert metrics["loss"] == 0 and metrics[LOSS_TOKENS] == 0
