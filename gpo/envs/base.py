@@ -80,13 +80,22 @@ class LocalEpisodes(Episodes):
 
     async def open(self, seed: int, task: str) -> tuple[Environment, str]:
         episode = copy.deepcopy(self.env)
-        return episode, episode.reset(seed, task)
+        return episode, checked_reset(episode.reset(seed, task), type(episode).__name__)
 
     async def step(self, episode: Environment, action: str, turn: int) -> Step:
         return checked_step(episode.step(action), type(episode).__name__)
 
     async def close(self, episode: Environment) -> None:
         episode.close()
+
+
+def checked_reset(observation: Any, env_name: str) -> str:
+    """``observation``, what ``env_name.reset`` returned, if it is the first observation, a str; refused naming it
+    otherwise (a gym-style ``(observation, info)`` would enter the context as its repr)."""
+    if not isinstance(observation, str):
+        raise TypeError(f"{env_name}.reset returned {observation!r:.80}; return the first observation, a str ('' for "
+                        "none).")  # fmt: skip
+    return observation
 
 
 def checked_step(answer: Any, env_name: str) -> Step:

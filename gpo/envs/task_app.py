@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpo.envs.base import Environment, Step, checked_step
+from gpo.envs.base import Environment, Step, checked_reset, checked_step
 from gpo.envs.http import (
     DEFAULT_MAX_BODY_BYTES,
     add_service_arguments,
@@ -100,9 +100,13 @@ def make_app(
         if episode_id not in episodes:
             episode = copy.deepcopy(env)
             try:
-                observation = episode.reset(body["seed"], body["task"])
+                answer = episode.reset(body["seed"], body["task"])
             except ValueError as exc:
                 raise _unusable("task or seed", exc) from exc
+            try:
+                observation = checked_reset(answer, type(episode).__name__)
+            except TypeError as exc:  # the served environment's fault: 422, as for a bad step answer
+                raise json_error(web.HTTPUnprocessableEntity, str(exc)) from exc
             episodes[episode_id] = _Episode(episode, observation)
         return web.json_response({"id": episode_id, "observation": episodes[episode_id].observation})
 

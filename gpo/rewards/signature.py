@@ -23,6 +23,9 @@ def check_reward_signature(fn: Any, index: int) -> None:
             f"{name}={fn!r} is not callable; give a function (prompts, completions, **columns) -> list[float] "
             "or its import path (e.g. gpo.rewards.exact_match)."
         )
+    if isinstance(fn, type):  # called, it would build an instance, not score
+        raise TypeError(f"{name} is the class {fn.__name__}; give an instance, {fn.__name__}(...), whose __call__ "
+                        "scores (prompts, completions, **columns).")  # fmt: skip
     parameters = _parameters(fn)
     if parameters is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
         return

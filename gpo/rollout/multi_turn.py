@@ -94,6 +94,11 @@ class MultiTurnEngine(RolloutEngine):
             raise ValueError(f"max_concurrent_rollouts={max_concurrent_rollouts} must be >= 1, or null for no limit.")
         if "{observation}" not in observation_template:
             raise ValueError(f"observation_template={observation_template!r} must contain '{{observation}}'.")
+        for name, value, kinds in (("engine", engine, (RolloutEngine,)), ("env", env, (Environment, Episodes))):
+            if not isinstance(value, kinds):
+                wanted = " or ".join(f"a {kind.__module__}.{kind.__qualname__}" for kind in kinds)
+                given = f"the class {value.__name__}" if isinstance(value, type) else f"{value!r:.60}"
+                raise TypeError(f"MultiTurnEngine({name}=...) takes {wanted} instance; got {given}.")
         self.engine = engine
         self.episodes = env if isinstance(env, Episodes) else LocalEpisodes(env)
         self.max_turns, self.max_concurrent_rollouts = max_turns, max_concurrent_rollouts

@@ -85,6 +85,7 @@ def assemble(
     sampler_threads: int | None,
 ) -> Assembled:
     """``GPOModule``'s parts from its arguments (each documented there), checked before anything is loaded."""
+    preflight.check_part_kinds(locals())  # the arguments, by name
     preflight.check_module_arguments(policy, rewards, group_size, mixer, tokenizer)
     old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
     preflight.check_behaviour_policy(old_logprobs, correction is not None, max_off_policy_steps)

@@ -4,18 +4,45 @@ sizes. Each error names the config field (its YAML path) and the fix."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from gpo.algo import EntropyBonus, KLPenalty, RewardMixer, RolloutCorrection
+from gpo.algo.distillation import TeacherKL
 from gpo.algo.gates import NoGate, RatioGate
-from gpo.models.loading import check_pretrained_folder
-from gpo.rewards.runner import reward_name
+from gpo.algo.presets import Algorithm
+from gpo.algo.turns import StepRewards
+from gpo.models.loading import LoraSettings, check_pretrained_folder
+from gpo.models.teacher import Teacher
+from gpo.rewards.runner import RewardErrors, reward_name
 from gpo.rewards.signature import check_reward_columns, check_reward_names, check_reward_signature
+from gpo.rollout.base import RolloutEngine
+from gpo.train.evaluation import Evaluation
 from gpo.train.hooks import WeightSync, warn_unreached_hooks
+from gpo.train.optimization import Optimization
 
 log = logging.getLogger(__name__)
+#: ``GPOModule``'s arguments that take a part (or settings object), with the kinds each takes; all but the engine may
+#: be None.
+PART_KINDS: dict[str, tuple[type, ...]] = {
+    "engine": (RolloutEngine,),
+    "algorithm": (str, Algorithm),
+    "mixer": (RewardMixer,),
+    "optim": (Optimization,),
+    "kl": (KLPenalty,),
+    "entropy": (EntropyBonus,),
+    "distill": (TeacherKL,),
+    "teacher": (str, Teacher),
+    "step_rewards": (StepRewards,),
+    "correction": (RolloutCorrection,),
+    "lora": (LoraSettings,),
+    "evaluation": (Evaluation,),
+    "reward_errors": (RewardErrors,),
+}
+#: What a string given for a part means, where one may be.
+NAMED_BY = {"algorithm": "a preset's name ('grpo')", "teacher": "the teacher model's folder"}
 
 
 def check_tokenizer(tokenizer: Any, field: str, embedding_rows: int | None) -> None:
@@ -100,6 +127,28 @@ def check_router_inputs(requires: frozenset[str], gate: RatioGate, model: Any) -
         f"but model.policy ({type(model).__name__}) has no router. Use a mixture-of-experts policy (e.g. gpo tiny "
         "--arch qwen2_moe), or GMPO (RSPO without the router weight) for a dense one: model.algorithm: gmpo."
     )
+
+
+def check_part_kinds(arguments: Mapping[str, Any]) -> None:
+    """Each of ``GPOModule``'s ``arguments`` in ``PART_KINDS`` an instance of its kind (or None where it may be): in
+    Python a class, a string or a number there would fail later as an AttributeError far from the argument (the
+    command line's parser checks the kinds itself)."""
+    from gpo.algo.presets.base import SLOTS  # a preset's parts: where one given as the algorithm goes
+
+    for name, kinds in PART_KINDS.items():
+        value = arguments[name]
+        if (value is None and name != "engine") or isinstance(value, kinds):
+            continue
+        wanted = " or ".join(
+            NAMED_BY[name] if kind is str else f"a {kind.__module__}.{kind.__qualname__}" for kind in kinds
+        )
+        if isinstance(value, type):
+            hint = f"; give an instance, {value.__name__}(...)" if issubclass(value, kinds) else ""
+            raise TypeError(f"model.{name} is the class {value.__name__}; it takes {wanted}{hint}.")
+        slot = next((slot for slot, (kind, _) in SLOTS.items() if isinstance(value, kind)), None)
+        hint = f"; {type(value).__name__} is a part of one: Custom({slot}=...)" if name == "algorithm" and slot else ""
+        shown = repr(value) if isinstance(value, str | int | float | dict | list) else f"{type(value).__name__}(...)"
+        raise TypeError(f"model.{name}={shown[:60]}: it takes {wanted}{hint}.")
 
 
 def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -> None:

@@ -1,3 +1,4 @@
+import re
 from typing import ClassVar
 
 import pytest
@@ -204,6 +205,32 @@ def test_a_step_answer_that_is_not_a_step_is_refused_naming_the_field(model_and_
     e, _ = engine(model_and_tokenizer, Answers(), max_turns=3)
     with pytest.raises(TypeError, match=message):
         e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
+
+
+@pytest.mark.parametrize("first", [("go\n", {}), None, 7], ids=["gym-style pair", "None", "a number"])
+def test_a_first_observation_that_is_not_a_str_is_refused_naming_reset(model_and_tokenizer, first):
+    """A gym-style ``(observation, info)`` would enter the context as its repr."""
+
+    class Starts(Echo):
+        def reset(self, seed, task):
+            return first
+
+    e, _ = engine(model_and_tokenizer, Starts(), max_turns=2)
+    with pytest.raises(
+        TypeError, match=re.escape(f"Starts.reset returned {first!r}; return the first observation, a str")
+    ):
+        e.generate([char_tokenizer()("p").input_ids], 2, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("env", "given"),
+    [(Echo, "the class Echo"), ("gpo.envs.NumberGuess", "'gpo.envs.NumberGuess'")],
+    ids=["class", "import path"],
+)
+def test_an_env_that_is_no_environment_is_refused_when_the_engine_is_built(env, given):
+    wanted = "takes a gpo.envs.base.Environment or a gpo.envs.base.Episodes instance"
+    with pytest.raises(TypeError, match=re.escape(f"MultiTurnEngine(env=...) {wanted}; got {given}.")):
+        MultiTurnEngine(engine=HFEngine(sampling=Sampling(max_new_tokens=3)), env=env)
 
 
 def test_a_step_answer_may_hold_numpy_or_tensor_scalars_and_its_info_is_copied(model_and_tokenizer):

@@ -195,6 +195,21 @@ def test_the_client_does_not_retry_a_refusal_and_says_what_was_refused(env, acti
     assert faults.count("POST", "/step") == 1
 
 
+class StartsGymStyle(NumberGuess):
+    def reset(self, seed: int, task: str):
+        return super().reset(seed, task), {}
+
+
+def test_a_served_first_observation_that_is_not_a_str_is_refused_with_422():
+    async def open_one(url: str) -> None:
+        async with TaskApp(task_url=url, **FAST) as app:
+            await app.open(3, "guess 1-8:")
+
+    says = "StartsGymStyle.reset returned ('"
+    with serve(make_app(StartsGymStyle())) as url, pytest.raises(TaskAppError, match=rf"HTTP 422.*{re.escape(says)}"):
+        asyncio.run(open_one(url))
+
+
 def test_with_a_token_the_app_refuses_requests_without_it_and_the_client_sends_it(model_and_tokenizer, monkeypatch):
     monkeypatch.delenv("GPO_TASK_APP_TOKEN", raising=False)
     create = {"seed": 3, "task": "t"}

@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
+from gpo.algo import DAPO, ClipGate
 from gpo.cli import main, run
-from gpo.rewards import positional_match
+from gpo.rewards import RegexFormat, positional_match
 from gpo.rollout import HFEngine, Sampling
 from gpo.testing import char_tokenizer, save_tiny_model, tiny_model
 from gpo.train.data import PromptDataModule
@@ -389,6 +390,22 @@ PYTHON_CASES = [
     py("tokenizer_larger_than_the_embedding",
        lambda: {"policy": tiny_model(), "tokenizer": tokenizer_larger_than_the_embedding()},
        field="has 100 tokens but model.policy's input embedding has 98 rows", fix="resize_token_embeddings"),
+    py("reward_class_not_instance", lambda: {"rewards": [RegexFormat]}, error=TypeError,
+       field="model.rewards[0] is the class RegexFormat", fix="give an instance, RegexFormat(...)"),
+    py("preset_class_not_instance", lambda: {"algorithm": DAPO}, error=TypeError,
+       field="model.algorithm is the class DAPO", fix="give an instance, DAPO(...)"),
+    py("gate_as_algorithm", lambda: {"algorithm": ClipGate()}, error=TypeError,
+       field="model.algorithm=ClipGate(...): it takes a preset's name", fix="ClipGate is a part of one: Custom(gate="),
+    py("number_as_kl", lambda: {"kl": 0.1}, error=TypeError,
+       field="model.kl=0.1", fix="it takes a gpo.algo.regularizers.KLPenalty"),
+    py("dict_as_optim", lambda: {"optim": {"lr": 1e-3}}, error=TypeError,
+       field="model.optim={'lr': 0.001}", fix="it takes a gpo.train.optimization.Optimization"),
+    py("name_as_mixer", lambda: {"mixer": "weighted_sum"}, error=TypeError,
+       field="model.mixer='weighted_sum'", fix="it takes a gpo.algo.mixers.RewardMixer"),
+    py("name_as_engine", lambda: {"engine": "hf"}, error=TypeError,
+       field="model.engine='hf'", fix="it takes a gpo.rollout.base.RolloutEngine"),
+    py("no_engine", lambda: {"engine": None}, error=TypeError,
+       field="model.engine=None", fix="it takes a gpo.rollout.base.RolloutEngine"),
 ]  # fmt: skip
 
 
