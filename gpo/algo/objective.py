@@ -91,6 +91,15 @@ class PolicyObjective:
         """Every token weight: the dropping ones, then the scaling ones."""
         return [*self.dropping, *self.scaling]
 
+    @property
+    def part_names(self) -> list[str]:
+        """What computes the loss from its inputs, each as ``kind Class``: the ratio gate, the aggregator, the token
+        masks and weights, the KL and entropy terms and the distillation signal the objective holds."""
+        named = [("gate", self.gate), ("aggregator", self.aggregator), ("kl", self.kl), ("entropy", self.entropy),
+                 ("distill", self.distill), *(("mask", m) for m in self.masks),
+                 *(("token weight", w) for w in self.token_weights)]  # fmt: skip
+        return [f"{kind} {type(part).__name__}" for kind, part in named if part is not None]
+
     def loss_mask(self, mask: Tensor, truncated: Tensor) -> Tensor:
         """``mask[B, T]`` with the tokens the dropping weights take out of the loss (and its normaliser) zeroed."""
         for weight in self.dropping:

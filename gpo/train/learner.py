@@ -282,7 +282,8 @@ class Learner:
             backend.scheduler.step()
             return None
         inputs = {"advantages": batch.adv, **batch.inputs}  # what the loss read besides the policy's log-probs
-        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step, inputs):
+        parts = self.objective.part_names
+        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step, inputs, parts):
             backend.optimizer.zero_grad()
             return None
         backend.optimizer.step()

@@ -16,6 +16,7 @@ from gpo.algo import (
     MismatchBandMask,
     NoGate,
     OffPolicySequenceMask,
+    OverlongFilter,
     ReferenceProbWeight,
     RouterShiftGate,
     SecondMomentMask,
@@ -187,3 +188,15 @@ def test_adaptive_entropy_state_lives_in_the_objective():
     constant = PolicyObjective(NoGate(), TokenMean(), entropy=EntropyBonus(coef=0.01))
     assert constant.end_step({"entropy": 0.5}) == {} and constant.state_dict() == {}
     assert PolicyObjective(NoGate(), TokenMean(), entropy=EntropyBonus()).entropy is None
+
+
+def test_part_names_list_what_computes_the_loss_in_order_and_leave_out_what_is_off():
+    """What a non-finite loss with finite inputs is blamed on: the parts the objective holds, none it switched off."""
+    objective = PolicyObjective(
+        ClipGate(), TokenMean(), kl=KLPenalty(beta=0.0), entropy=EntropyBonus(coef=0.01),
+        masks=[HighEntropyMask(), MismatchBandMask()], token_weights=[OverlongFilter()],
+    )  # fmt: skip
+    assert objective.part_names == [  # the KL term is off (beta 0); the step mask before the per-update one
+        "gate ClipGate", "aggregator TokenMean", "entropy EntropyBonus", "mask MismatchBandMask",
+        "mask HighEntropyMask", "token weight OverlongFilter",
+    ]  # fmt: skip

@@ -92,6 +92,7 @@ def test_a_nonfinite_update_is_skipped_logged_and_training_goes_on(workspace, ca
     if where == "grad":
         assert "non-finite gradients in model.layers.0.mlp.up_proj.weight" in message
     assert "non-finite inputs" not in message  # the advantages and log-probs the loss read were finite
+    assert "(its inputs are finite: made by gate NoGate, aggregator SequenceMean or the policy's pass)" in message
 
 
 def test_non_finite_advantages_are_named_as_the_cause(workspace):
@@ -106,8 +107,11 @@ def test_non_finite_advantages_are_named_as_the_cause(workspace):
     module.credit = nan_advantages
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     module.learner.nonfinite.max_in_a_row = 1
-    with pytest.raises(FloatingPointError, match=r"\(non-finite inputs: advantages\).*the advantage estimator"):
+    with pytest.raises(
+        FloatingPointError, match=r"\(non-finite inputs: advantages\).*the advantage estimator"
+    ) as raised:
         trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    assert "made by" not in str(raised.value)  # the parts are not suspected when an input was not finite
 
 
 def test_too_many_nonfinite_updates_in_a_row_stop_the_run_with_the_fix(workspace):
