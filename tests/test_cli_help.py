@@ -371,6 +371,12 @@ def test_reward_settings_without_their_class_get_no_module_advice(tmp_path, caps
     assert "Dict must include a class_path" in err and "import path" not in err, err
 
 
+def test_a_misplaced_part_given_as_flags_gets_the_slot_it_belongs_in(capsys):
+    """What gpo.algo.presets.preset advises for the same class given inline (which the parser takes as a name)."""
+    err = fit_error(capsys, "--model.algorithm", "Custom", "--model.algorithm.gate", "gpo.algo.GroupNormAdvantage")
+    assert "did you mean model.algorithm.advantage?" in err, err
+
+
 def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
     err = fit_error(capsys, "--model.algorithm", "DRO")
     assert "the following arguments are required: beta" in err, err

@@ -171,6 +171,10 @@ def test_invalid_configurations_fail_at_construction_with_the_fix(build, message
          r"\{class_path: DRO, init_args: \{beta: ...\}\} \(--config dro sets one\)"),
         ("dppo", r"DPPO has no default for threshold"),
         ("zzz", r"'zzz' is not known; choose a name"),
+        # a class given inline on the command line that jsonargparse refused, then took as the union's str
+        ("{class_path: Custom, init_args: {gate: {class_path: gpo.algo.GroupNormAdvantage}}}",
+         r"is not a name, and as a class it has an error the parser keeps to itself here \(it then read the text as "
+         r"a name\): give it as flags \(--model.algorithm Custom --model.algorithm.gate CLASS ...\) or in a YAML file"),
     ],
 )  # fmt: skip
 def test_an_unknown_or_incomplete_name_is_refused_with_what_to_write(name, says):

@@ -43,6 +43,12 @@ def preset(algorithm: Algorithm | str) -> Algorithm:
         return algorithm
     if algorithm in ALGORITHMS:
         return ALGORITHMS[algorithm]()
+    if algorithm.lstrip().startswith("{"):  # a class given inline that the parser refused, then took as a name
+        raise ValueError(
+            f"model.algorithm={algorithm!r:.100} is not a name, and as a class it has an error the parser keeps to "
+            "itself here (it then read the text as a name): give it as flags (--model.algorithm Custom "
+            "--model.algorithm.gate CLASS ...) or in a YAML file, and the error is named."
+        )
     without_defaults = {cls.__name__.lower(): cls for cls in PRESETS if cls not in ALGORITHMS.values()}
     if algorithm.lower() in without_defaults:
         cls = without_defaults[algorithm.lower()]
