@@ -12,6 +12,7 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.loggers import CometLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
+from gpo.callbacks.settings import check_count
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback
 
@@ -50,12 +51,9 @@ class CompletionSamples(RolloutCallback):
     """
 
     def __init__(self, *, every_n_steps: int = 100, num_samples: int = 4, max_chars: int | None = 2000) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 (steps between samples).")
-        if num_samples < 1:
-            raise ValueError(f"num_samples={num_samples} must be >= 1 (completions shown each time).")
-        if max_chars is not None and max_chars < 1:
-            raise ValueError(f"max_chars={max_chars} must be >= 1, or None for no limit.")
+        check_count("every_n_steps", every_n_steps, 1, "steps between samples")
+        check_count("num_samples", num_samples, 1, "completions shown each time")
+        check_count("max_chars", max_chars, 1, "the longest text shown", none="for no limit")
         self.every_n_steps, self.num_samples, self.max_chars = every_n_steps, num_samples, max_chars
         self.rollouts_seen, self.owed = 0, False
 

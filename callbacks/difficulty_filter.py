@@ -12,6 +12,7 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from gpo.callbacks.settings import check_count, check_number
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback
 from gpo.train.metrics import BatchValues, log_due
@@ -88,14 +89,12 @@ class DifficultyFilter(RolloutCallback):
         key_column: str | None = None,
         score_index: int | None = None,
     ) -> None:
-        if not 0.0 <= low <= high <= 1.0:
-            raise ValueError(f"low={low}, high={high}: need 0 <= low <= high <= 1 (pass rates are fractions).")
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1 (groups per prompt in the pass rate).")
-        if retest_every < 1:
-            raise ValueError(f"retest_every={retest_every} must be >= 1 (steps a pass rate stays valid).")
-        if score_index is not None and score_index < 0:
-            raise ValueError(f"score_index={score_index} must be >= 0 (a column of rollout.scores), or None.")
+        check_number("low", low, "the lowest pass rate kept", at_least=0.0, at_most=1.0)
+        check_number("high", high, "the highest pass rate kept", at_least=low, at_most=1.0)
+        check_number("pass_threshold", pass_threshold, "the reward at which a completion passes")
+        check_count("window", window, 1, "groups per prompt in the pass rate")
+        check_count("retest_every", retest_every, 1, "steps a pass rate stays valid")
+        check_count("score_index", score_index, 0, "a column of rollout.scores", none="for the mixed reward")
         self.low, self.high, self.pass_threshold = low, high, pass_threshold
         self.window, self.retest_every = window, retest_every
         self.key_column, self.score_index = key_column, score_index
@@ -103,6 +102,21 @@ class DifficultyFilter(RolloutCallback):
         self.history: dict[Hashable, deque[tuple[int, int, int]]] = {}  # key -> (step, passes, completions)
         self._warned_fallback = False
         self.batch_values = BatchValues()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuse a ``DynamicSampling`` listed before this filter: the rollout would reach it without the uniform
+        groups, whose prompts are the ones the filter is there to skip."""
+        from gpo.callbacks.dynamic_sampling import DynamicSampling  # a sibling callback, for its order only
+
+        if any(
+            isinstance(callback, DynamicSampling) for callback in trainer.callbacks[: trainer.callbacks.index(self)]
+        ):
+            raise ValueError(
+                "trainer.callbacks lists DynamicSampling before DifficultyFilter; list DifficultyFilter first: it "
+                "records each prompt's pass rate from the rollout it is handed, and DynamicSampling drops the groups "
+                "whose rewards are all equal, the prompts the filter should learn to skip."
+            )
 
     # ---- the two extra hooks ----------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from gpo.callbacks.settings import check_count, check_number
 from gpo.parallel import collectives
 from gpo.rollout.base import Rollout, concat_rollouts
 from gpo.train.hooks import RolloutCallback, require_source
@@ -83,12 +84,9 @@ class DynamicSampling(RolloutCallback):
         atol: float = 1e-6,
         on_exhausted: OnExhausted = "train",
     ) -> None:
-        if num_groups is not None and (not _is_int(num_groups) or num_groups < 1):
-            raise ValueError(f"num_groups={num_groups!r} must be an int >= 1, or None for the batch's prompt count.")
-        if not _is_int(max_rounds) or max_rounds < 0:
-            raise ValueError(f"max_rounds={max_rounds!r} must be an int >= 0 (0 only filters, never draws more).")
-        if isinstance(atol, bool) or not isinstance(atol, int | float) or not (math.isfinite(atol) and atol >= 0):
-            raise ValueError(f"atol={atol!r} must be a finite number >= 0 (0 demands exactly equal rewards).")
+        check_count("num_groups", num_groups, 1, "informative groups per step", none="for the batch's prompt count")
+        check_count("max_rounds", max_rounds, 0, "extra batches drawn at most; 0 only filters")
+        check_number("atol", atol, "0 demands exactly equal rewards", at_least=0.0)
         if on_exhausted not in ("train", "skip"):
             raise ValueError(f"on_exhausted={on_exhausted!r} is not valid; choose 'train' or 'skip'.")
         self.num_groups, self.max_rounds, self.atol, self.on_exhausted = num_groups, max_rounds, atol, on_exhausted
@@ -202,7 +200,3 @@ def _over_ranks(sums: dict[str, int], maxima: dict[str, int | bool], pl_module: 
     total = collectives.reduce_over_ranks(torch.tensor(list(sums.values()), device=device), "sum").tolist()
     high = collectives.reduce_over_ranks(torch.tensor([int(v) for v in maxima.values()], device=device), "max").tolist()
     return {**dict(zip(sums, total, strict=True)), **dict(zip(maxima, high, strict=True))}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

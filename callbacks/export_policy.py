@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,8 @@ class ExportPolicy(Callback):
     def __init__(self, *, mode: ExportMode = "merged", folder: str | None = None) -> None:
         if mode not in ("merged", "adapter"):
             raise ValueError(f"ExportPolicy mode={mode!r} is not valid; choose 'merged' or 'adapter'.")
+        if folder is not None and not isinstance(folder, str | os.PathLike):
+            raise ValueError(f"ExportPolicy folder={folder!r} must be a path, or None for <log dir>/export.")
         self.mode, self.folder = mode, folder
 
     @override

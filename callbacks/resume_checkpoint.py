@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from gpo.callbacks.settings import check_count
 from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
 
@@ -51,15 +52,18 @@ class ResumeCheckpoint(ModelCheckpoint):
         dirpath: folder of ``last.ckpt``; None: ``<trainer.default_root_dir>/checkpoints`` (not Lightning's
             ``<log_dir>/checkpoints``, which moves with every new logger version and so hides ``last``).
         every_n_train_steps: optimiser steps between checkpoints.
-        save_top_k: also keep this many step-numbered checkpoints (-1: all; 0: only ``last.ckpt``).
+        save_top_k: also keep the latest this many checkpoints, ``step<N>.ckpt`` (-1: all; 0: only ``last.ckpt``).
     """
 
     def __init__(self, dirpath: str | Path | None = None, every_n_train_steps: int = 100, save_top_k: int = 0) -> None:
-        if every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 1.")
+        check_count("every_n_train_steps", every_n_train_steps, 1, "optimiser steps between checkpoints")
+        check_count("save_top_k", save_top_k, -1, "-1 keeps all, 0 last.ckpt alone, K the latest K")
         super().__init__(
             dirpath=dirpath,
-            filename="step{step}",
+            filename="step{step:06d}",
+            auto_insert_metric_name=False,  # step000100.ckpt, not stepstep=100.ckpt
+            monitor="step",  # the latest save_top_k are the best (Lightning keeps none by count without a monitor)
+            mode="max",
             save_last=True,
             save_top_k=save_top_k,
             every_n_train_steps=every_n_train_steps,

@@ -14,6 +14,7 @@ from torchmetrics.aggregation import MaxMetric
 from typing_extensions import override
 
 from gpo.algo.masked import masked_mean
+from gpo.callbacks.settings import check_count, check_number
 from gpo.rollout.base import Rollout
 from gpo.train.hooks import RolloutCallback, require_source
 from gpo.train.metrics import logged_step, publish_values
@@ -94,16 +95,11 @@ class RolloutMonitor(RolloutCallback):
         warmup: int = 10,
         patience: int = 5,
     ) -> None:
-        if ngram < 1:
-            raise ValueError(f"ngram={ngram} must be >= 1 (the n of the unique n-gram ratio).")
-        if entropy_batch_size is not None and entropy_batch_size < 1:
-            raise ValueError(f"entropy_batch_size={entropy_batch_size} must be >= 1, or None for the whole rollout.")
-        if not 0.0 < collapse_fraction < 1.0:
-            raise ValueError(f"collapse_fraction={collapse_fraction} must be in (0, 1) (a fraction of the peak).")
-        if warmup < 0:
-            raise ValueError(f"warmup={warmup} must be >= 0 (monitored steps before the collapse check).")
-        if patience < 1:
-            raise ValueError(f"patience={patience} must be >= 1 (consecutive collapsing steps before warning).")
+        check_count("ngram", ngram, 1, "the n of the unique n-gram ratio")
+        check_count("entropy_batch_size", entropy_batch_size, 1, "rows per entropy pass", none="for the whole rollout")
+        check_number("collapse_fraction", collapse_fraction, "a fraction of the peak", above=0.0, below=1.0)
+        check_count("warmup", warmup, 0, "monitored steps before the collapse check")
+        check_count("patience", patience, 1, "consecutive collapsing steps before warning")
         self.ngram, self.compute_entropy, self.entropy_metric = ngram, compute_entropy, entropy_metric
         self.entropy_batch_size, self.collapse_fraction = entropy_batch_size, collapse_fraction
         self.warmup, self.patience = warmup, patience

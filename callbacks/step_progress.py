@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from gpo.callbacks.settings import check_count
+
 #: Seconds between two redraws at least (tqdm's own floor): each costs about 0.3 ms on a CPU (the metrics copied to the
 #: host, formatted and written), a few percent of a fast step, and no one reads ten redraws a second.
 REDRAW_INTERVAL_S = 0.1
@@ -36,6 +38,7 @@ class StepProgressBar(TQDMProgressBar):
     """
 
     def __init__(self, refresh_rate: int = 1) -> None:
+        check_count("refresh_rate", refresh_rate, 1, "optimiser steps between redraws")
         super().__init__(refresh_rate=refresh_rate)
         self._redrawn_at = -math.inf  # time.monotonic() of the last redraw
 

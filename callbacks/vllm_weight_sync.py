@@ -11,6 +11,7 @@ from lightning import LightningModule, Trainer
 from typing_extensions import override
 
 from gpo.algo.masked import masked_mean
+from gpo.callbacks.settings import check_count, check_number, check_texts
 from gpo.models.weights import checkpoint_weights, full_parameters
 from gpo.train.hooks import WeightSync, require_source
 from gpo.train.metrics import log_due, publish
@@ -72,14 +73,12 @@ class VLLMWeightSync(WeightSync):
         probe_prompts: Sequence[str] = DEFAULT_PROBE_PROMPTS,
         max_logprob_diff: float = 0.5,
     ) -> None:
-        if weight_sync_interval < 1:
-            raise ValueError(f"weight_sync_interval={weight_sync_interval} must be >= 1 (optimiser steps).")
-        if verify_every_k < 0:
-            raise ValueError(f"verify_every_k={verify_every_k} must be >= 0 (0 never verifies).")
+        check_count("weight_sync_interval", weight_sync_interval, 1, "optimiser steps between syncs")
+        check_count("verify_every_k", verify_every_k, 0, "syncs between verifications; 0 never verifies")
+        check_texts("probe_prompts", probe_prompts, "the probe batch's prompts")
         if verify_every_k and not probe_prompts:
             raise ValueError("probe_prompts is empty; give at least one prompt, or set verify_every_k=0.")
-        if not max_logprob_diff > 0:
-            raise ValueError(f"max_logprob_diff={max_logprob_diff} must be > 0.")
+        check_number("max_logprob_diff", max_logprob_diff, "the largest accepted log-prob difference", above=0.0)
         self.weight_sync_interval, self.verify_every_k = weight_sync_interval, verify_every_k
         self.probe_prompts = list(probe_prompts)
         self.max_logprob_diff = max_logprob_diff
@@ -91,6 +90,11 @@ class VLLMWeightSync(WeightSync):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         require_source(self, pl_module, ("engine", "policy", "scorer", "tokenizer"))
+        if pl_module.engine.shares_policy_weights:  # refused here, not at the first sync after the model summary
+            raise ValueError(
+                f"VLLMWeightSync: the engine {type(pl_module.engine).__name__} samples from the trained policy itself "
+                "and holds no weights to sync; remove the callback, or sample with VLLMEngine or VLLMServerEngine."
+            )
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -120,9 +120,10 @@ def test_loggers_with_text_support_receive_the_samples(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"every_n_steps": 0}, "every_n_steps=0 must be >= 1"),
-        ({"num_samples": 0}, "num_samples=0 must be >= 1"),
-        ({"max_chars": 0}, "max_chars=0 must be >= 1"),
+        ({"every_n_steps": 0}, "every_n_steps=0 must be an int >= 1"),
+        ({"num_samples": 0}, "num_samples=0 must be an int >= 1"),
+        ({"max_chars": 0}, "max_chars=0 must be an int >= 1"),
+        ({"every_n_steps": 2.5}, "every_n_steps=2.5 must be an int >= 1"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, message):

@@ -144,11 +144,15 @@ def test_score_index_judges_on_one_reward_function():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"low": 0.9, "high": 0.1}, "need 0 <= low <= high <= 1"),
+        ({"low": 0.9, "high": 0.1}, "high=0.1 must be a finite number >= 0.9 and <= 1"),
         ({"high": 1.5}, "high=1.5"),
-        ({"window": 0}, "window=0 must be >= 1"),
-        ({"retest_every": 0}, "retest_every=0 must be >= 1"),
-        ({"score_index": -1}, "score_index=-1 must be >= 0"),
+        ({"low": "a"}, r"low='a' must be a finite number >= 0 and <= 1 \(the lowest pass rate kept\)"),
+        ({"pass_threshold": float("nan")}, "pass_threshold=nan must be a finite number"),
+        ({"window": 2.5}, "window=2.5 must be an int >= 1"),
+        ({"score_index": True}, "score_index=True must be an int >= 0"),
+        ({"window": 0}, "window=0 must be an int >= 1"),
+        ({"retest_every": 0}, "retest_every=0 must be an int >= 1"),
+        ({"score_index": -1}, "score_index=-1 must be an int >= 0"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, message):
@@ -238,3 +242,15 @@ def test_the_shipped_callbacks_config_lists_difficulty_filter_before_dynamic_sam
         c["class_path"] for c in yaml.safe_load(shipped_configs()["callbacks"].read_text())["trainer"]["callbacks"]
     ]
     assert listed.index("gpo.callbacks.DifficultyFilter") < listed.index("gpo.callbacks.DynamicSampling")
+
+
+def test_dynamic_sampling_listed_before_the_filter_is_refused_when_the_run_starts(tmp_path):
+    from gpo.callbacks import DynamicSampling
+
+    save_tiny_model(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in REWARDS))
+    model = str(tmp_path / "model")
+    module = tiny_module(model, [by_prompt], engine=HFEngine(sampling=Sampling(max_new_tokens=2)))
+    trainer = quiet_trainer(2, [DynamicSampling(), DifficultyFilter()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="lists DynamicSampling before DifficultyFilter; list DifficultyFilter first"):
+        trainer.fit(module, prompts(model, str(tmp_path / "train.jsonl"), 3))

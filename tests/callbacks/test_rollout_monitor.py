@@ -223,11 +223,12 @@ def test_computed_entropy_matches_a_full_softmax_reference():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"ngram": 0}, "ngram=0 must be >= 1"),
-        ({"entropy_batch_size": 0}, "entropy_batch_size=0 must be >= 1"),
-        ({"collapse_fraction": 1.0}, r"collapse_fraction=1.0 must be in \(0, 1\)"),
-        ({"warmup": -1}, "warmup=-1 must be >= 0"),
-        ({"patience": 0}, "patience=0 must be >= 1"),
+        ({"ngram": 0}, "ngram=0 must be an int >= 1"),
+        ({"entropy_batch_size": 0}, "entropy_batch_size=0 must be an int >= 1"),
+        ({"collapse_fraction": 1.0}, r"collapse_fraction=1.0 must be a finite number > 0 and < 1"),
+        ({"warmup": -1}, "warmup=-1 must be an int >= 0"),
+        ({"patience": 0}, "patience=0 must be an int >= 1"),
+        ({"ngram": 2.5}, "ngram=2.5 must be an int >= 1"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, message):

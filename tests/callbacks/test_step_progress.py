@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
 import gpo.callbacks.step_progress
-from gpo.callbacks import StepProgressBar
+from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 
 STEPS_PER_BATCH = 2  # as with model.optim.number_of_minibatches = 2
 BATCHES_PER_EPOCH = 5
@@ -153,3 +153,18 @@ def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, caps
         trainer.fit(FailsAtBatch3())
     out = capsys.readouterr().out
     assert "step" in out and out.endswith("\n") and not out.endswith("\n\n"), repr(out[-200:])
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: StepProgressBar(refresh_rate=0), "refresh_rate=0 must be an int >= 1"),
+        (lambda: StepProgressBar(refresh_rate=1.5), "refresh_rate=1.5 must be an int >= 1"),
+        (lambda: ExportPolicy(folder=3), r"ExportPolicy folder=3 must be a path, or None for <log dir>/export"),
+        (lambda: ResumeCheckpoint(every_n_train_steps=1.5), "every_n_train_steps=1.5 must be an int >= 1"),
+    ],
+)
+def test_other_callbacks_refuse_settings_of_the_wrong_kind_when_built(make, message):
+    """Given in Python, no parser checks them: each failed later (or never: a float step count) far from the setting."""
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -184,12 +184,23 @@ def test_a_verification_is_logged_in_the_row_of_the_sync_that_made_it_other_sync
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"weight_sync_interval": 0}, "weight_sync_interval=0 must be >= 1"),
-        ({"verify_every_k": -1}, "verify_every_k=-1 must be >= 0"),
+        ({"weight_sync_interval": 0}, "weight_sync_interval=0 must be an int >= 1"),
+        ({"verify_every_k": -1}, "verify_every_k=-1 must be an int >= 0"),
         ({"probe_prompts": []}, "probe_prompts is empty"),
-        ({"max_logprob_diff": 0.0}, "max_logprob_diff=0.0 must be > 0"),
+        ({"probe_prompts": "hello"}, "probe_prompts='hello' must be a list of strings"),  # not 5 one-letter prompts
+        ({"weight_sync_interval": 1.5}, "weight_sync_interval=1.5 must be an int >= 1"),
+        ({"max_logprob_diff": 0.0}, "max_logprob_diff=0.0 must be a finite number > 0"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         VLLMWeightSync(**kwargs)
+
+
+def test_an_engine_that_samples_from_the_policy_itself_is_refused_at_set_up(assets):
+    """HFEngine holds no copy of the weights: refused before the run starts (it failed at the first sync, after the
+    model summary, with a traceback)."""
+    from gpo.rollout import HFEngine
+
+    with pytest.raises(ValueError, match="VLLMWeightSync: the engine HFEngine samples from the trained policy itself"):
+        fit(assets, HFEngine(sampling=Sampling(max_new_tokens=4)), VLLMWeightSync(), steps=1)

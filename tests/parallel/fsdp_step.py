@@ -93,6 +93,6 @@ def worker(rank: int, port: int, root: str, out: str) -> None:
     results = {case: step(case, root) for case in CASES}
     results["never_stopped"] = adamw_run(root, RESUME_STEPS, checkpoints=root / "checkpoints")
     results["resumed"] = adamw_run(
-        root, RESUME_STEPS, resume=next((root / "checkpoints").glob(f"*={CHECKPOINT_STEP}.ckpt"))
+        root, RESUME_STEPS, resume=next((root / "checkpoints").glob(f"step{CHECKPOINT_STEP:06d}.ckpt"))
     )
     torch.save(results, Path(out) / f"rank{rank}.pt")

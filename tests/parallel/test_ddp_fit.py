@@ -94,7 +94,7 @@ def load(path: Path) -> dict:
 def test_a_ddp_run_resumed_from_a_mid_run_checkpoint_ends_like_the_run_never_stopped(config, tmp_path):
     whole = fit(config, tmp_path / "whole")
     (tmp_path / "resumed/checkpoints").mkdir(parents=True)
-    shutil.copy(tmp_path / "whole/checkpoints/stepstep=4.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
+    shutil.copy(tmp_path / "whole/checkpoints/step000004.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
     drawn = [rank["extra_batches_drawn"] for rank in load(tmp_path / "resumed/checkpoints/last.ckpt")["gpo"]["ranks"]]
     assert drawn[0] != drawn[1], drawn  # the ranks drew different numbers of extra batches before the checkpoint
     resumed = fit(config, tmp_path / "resumed", "--ckpt_path=last")

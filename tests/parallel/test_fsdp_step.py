@@ -30,7 +30,7 @@ def test_an_fsdp_step_equals_one_process_on_the_global_batch(ranks, case):
 
 def test_a_run_resumed_from_a_sharded_checkpoint_ends_like_the_run_never_stopped(ranks):
     results, root = ranks
-    (checkpoint,) = (root / "checkpoints").glob(f"*={fsdp_step.CHECKPOINT_STEP}.ckpt")
+    (checkpoint,) = (root / "checkpoints").glob(f"step{fsdp_step.CHECKPOINT_STEP:06d}.ckpt")
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == ddp_step.WORLD_SIZE  # one shard each
     for rank in results:
         resumed, never_stopped = rank["resumed"], rank["never_stopped"]

@@ -211,3 +211,30 @@ def test_a_part_of_one_class_described_otherwise_is_told_a_changing_attribute_is
         with pytest.raises(ValueError) as refused:  # another part, or a setting of gpo's own changed on purpose
             check_same_run({"gate": gate}, {"gate": now}, "last.ckpt")
         assert "public attribute" not in str(refused.value)
+
+
+class Linear(L.LightningModule):
+    """Any LightningModule: ResumeCheckpoint asks nothing of gpo's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=1)
+
+
+@pytest.mark.parametrize(("save_top_k", "kept"), [(0, []), (2, [4, 5]), (-1, [1, 2, 3, 4, 5])])
+def test_save_top_k_keeps_the_latest_step_numbered_checkpoints_beside_last(tmp_path, save_top_k, kept):
+    every_step = ResumeCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=save_top_k)
+    L.Trainer(max_steps=5, callbacks=[every_step], logger=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(Linear())  # fmt: skip
+    assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["last.ckpt", *(f"step{n:06d}.ckpt" for n in kept)]
+    with pytest.raises(ValueError, match=r"save_top_k=-2 must be an int >= -1 \(-1 keeps all, 0 last.ckpt alone, K"):
+        ResumeCheckpoint(save_top_k=-2)
