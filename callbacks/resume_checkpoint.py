@@ -137,7 +137,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         if trainer.ckpt_path is None and last.is_file():
             raise FileExistsError(
                 f"{last} holds an earlier run's checkpoint, which this run would overwrite. Continue that run with "
-                "--ckpt_path last, or start this one in another folder (--trainer.default_root_dir DIR)."
+                "--ckpt_path last (in Python: trainer.fit(..., ckpt_path='last')), or start this one in another folder "
+                "(--trainer.default_root_dir DIR, or ResumeCheckpoint(dirpath=DIR))."
             )
 
     @override
