@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo.models.loading import is_peft
+from gpo.models.loading import is_peft, unwrap
 
 
 def export_policy(
@@ -85,7 +85,8 @@ def export_checkpoint(
         shapes = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
         found = f"{len(shapes)} weights differ in shape, e.g. {shapes[0]}" if shapes else str(err).splitlines()[0]
         raise ValueError(f"{mismatch}: {found}; {fix}.") from None
-    missing = [key for key in missing if not key.endswith("lm_head.weight")]  # tied to the input embedding
+    if unwrap(model).config.tie_word_embeddings:  # the output layer is the input embedding, saved once
+        missing = [key for key in missing if not key.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(
             f"{mismatch}: {len(missing)} weights missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. "

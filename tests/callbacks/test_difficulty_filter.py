@@ -254,3 +254,39 @@ def test_dynamic_sampling_listed_before_the_filter_is_refused_when_the_run_start
     trainer = quiet_trainer(2, [DynamicSampling(), DifficultyFilter()], default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="lists DynamicSampling before DifficultyFilter; list DifficultyFilter first"):
         trainer.fit(module, prompts(model, str(tmp_path / "train.jsonl"), 3))
+
+
+def test_the_band_includes_its_edges_when_admitting_and_counting():
+    """A prompt whose pass rate is exactly ``low`` or ``high`` is inside the band: admitted, and counted inside."""
+    flt, module = DifficultyFilter(low=0.25, high=0.75, window=1), FakeModule()
+    rollout = grouped_rollout(["at_low", "at_high", "below"], [[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
+    flt.on_prompts(module.trainer, module, {"prompt": ["at_low", "at_high", "below"], "prompt_ids": [[1]] * 3})
+    flt.on_rollout_end(module.trainer, module, rollout)
+    assert [flt.admits(key) for key in ("at_low", "at_high", "below")] == [True, True, False]
+    assert flt.population() == {"inside": 2, "below": 1, "above": 0}
+
+
+def test_a_resumed_filter_keeps_its_window_and_its_warning_once():
+    """After ``load_state_dict`` the pass rate still pools only the last ``window`` groups, and a fallback warned
+    about before the checkpoint is not warned about again."""
+    flt, module = DifficultyFilter(window=2, low=0.3, high=1.0), FakeModule()
+    resumed = DifficultyFilter(window=2, low=0.3, high=1.0)
+    flt.on_prompts(module.trainer, module, {"prompt": ["p"], "prompt_ids": [[1]]})
+    flt.on_rollout_end(module.trainer, module, grouped_rollout(["p"], [[1, 1]]))  # saved in the checkpoint
+    flt._warned_fallback = True
+    resumed.load_state_dict(flt.state_dict())
+    for rewards in ([0, 0], [0, 0]):  # the saved group, all passing, falls out of the window of 2
+        resumed.on_prompts(module.trainer, module, {"prompt": ["p"], "prompt_ids": [[1]]})
+        resumed.on_rollout_end(module.trainer, module, grouped_rollout(["p"], [rewards]))
+    assert not resumed.admits("p")  # 0 of 4 pass: below the band (with the first group pooled in, 2 of 6: inside)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.on_prompts(module.trainer, module, {"prompt": ["p"], "prompt_ids": [[1]]})  # all skipped: fallback
+
+
+def test_a_score_index_one_past_the_columns_is_refused_by_name():
+    module = FakeModule()
+    rollout = grouped_rollout(["p"], [[0, 1]])
+    rollout.scores = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="score_index=2 but the rollout has 2 score columns"):
+        DifficultyFilter(score_index=2).on_rollout_end(module.trainer, module, rollout)

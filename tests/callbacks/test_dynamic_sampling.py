@@ -331,3 +331,28 @@ def test_a_plain_lightning_module_following_the_contract_gets_the_filtering(on_e
         assert all(1 <= g <= 4 for g in groups) and min(groups) < 4  # it ran out on some steps and trained
     assert sampling.totals["groups_kept"] == sum(groups)
     assert trainer.callback_metrics["dynamic_sampling/groups_drawn"] >= 4
+
+
+def test_a_wholly_informative_first_rollout_below_num_groups_is_topped_up_by_the_draws():
+    """The first rollout alone stands only when it is the target: here its 2 groups are short of num_groups=4."""
+    first, more = make_rollout([[0, 1], [1, 0]], tag="a"), make_rollout([[1, 0], [0, 2]], tag="b")
+    module = FakeModule(more)
+    out = rollout_end(DynamicSampling(num_groups=4, max_rounds=1), module, first)
+    assert list(groups_by_prompt(out)) == ["a0", "a1", "b0", "b1"] and module.drawn == 1
+
+
+def test_with_atol_zero_only_exactly_equal_rewards_make_a_group_uniform_and_the_earliest_group_is_kept():
+    """``> atol``: a group whose rewards are equal is dropped at atol 0; groups are taken in order of first row."""
+    rollout = make_rollout([[1, 1], [0, 1e-9]])
+    out = DynamicSampling(atol=0.0, max_rounds=0).on_rollout_end(TRAINER, FakeModule(), rollout)
+    assert list(groups_by_prompt(out)) == ["1"]
+    later_id_first = make_rollout([[0, 1], [1, 0]])
+    later_id_first.group = torch.tensor([5, 5, 1, 1])  # group 5's rows come first
+    out = DynamicSampling(num_groups=1).on_rollout_end(TRAINER, FakeModule(), later_id_first)
+    assert out.reward.tolist() == [0.0, 1.0]  # group 5, drawn first, not group 1 (the lower id)
+
+
+def test_informative_frac_counts_informative_groups_of_those_drawn_surplus_included():
+    module = FakeModule()
+    rollout_end(DynamicSampling(num_groups=1, max_rounds=0), module, make_rollout([[0, 1], [1, 0], [2, 0], [1, 1]]))
+    assert module.logged["informative_frac"] == 0.75 and module.logged["groups_surplus"] == 2

@@ -118,3 +118,42 @@ def test_an_id_the_hub_knows_or_the_cache_holds_goes_on(hub, monkeypatch, tmp_pa
     with pytest.raises(FileNotFoundError, match="is not in the hub cache"):
         check_pretrained_folder("org/cached", "model.tokenizer", "tokenizer")  # the cache holds no tokenizer
     assert hub.asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
+
+
+def test_the_policy_loads_in_the_dtype_and_mode_asked_for_and_a_mode_it_lacks_is_refused(tmp_path):
+    import torch
+
+    from gpo.models.loading import LoraSettings, load_policy
+    from gpo.testing import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / "model"))
+    full = load_policy(folder, dtype="bfloat16", mode="full", lora=None)
+    assert {p.dtype for p in full.parameters()} == {torch.bfloat16}
+    adapted = load_policy(folder, dtype="float32", mode="lora", lora=LoraSettings(r=2))
+    trained = {name for name, p in adapted.named_parameters() if p.requires_grad}
+    # every linear layer but the output layer gets an adapter ("all-linear"), the MLP's included
+    assert any("mlp.up_proj.lora_A" in name for name in trained) and any("q_proj.lora_A" in name for name in trained)
+    assert not any("lm_head" in name for name in trained) and all("lora_" in name for name in trained)
+    with pytest.raises(ValueError, match=r"model\.trainer_mode='dora' is not valid; choose 'full', 'lora' or 'qlora'"):
+        load_policy(folder, dtype="float32", mode="dora", lora=None)
+
+
+def test_a_target_module_matches_a_whole_name_or_its_last_parts_not_a_suffix_of_a_name():
+    from gpo.models.loading import check_target_modules
+    from gpo.testing import tiny_model
+
+    model = tiny_model()
+    check_target_modules(model, ["q_proj", "mlp.up_proj", "model.layers.0.self_attn.v_proj"])
+    with pytest.raises(ValueError, match=r"model.lora.target_modules: \['proj'\] names no module of the model"):
+        check_target_modules(model, ["proj"])  # peft would match nothing: a name's last part is q_proj, not proj
+
+
+@pytest.mark.parametrize("start", [True, False])
+def test_training_mode_switches_for_the_block_and_puts_the_mode_back(start):
+    from gpo.models.loading import training_mode
+    from gpo.testing import tiny_model
+
+    model = tiny_model().train(start)
+    with training_mode(model, not start):
+        assert model.training is (not start) and all(m.training is (not start) for m in model.modules())
+    assert model.training is start and all(m.training is start for m in model.modules())

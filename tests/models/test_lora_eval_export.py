@@ -259,3 +259,55 @@ def test_a_misspelt_target_module_of_a_gpt2_model_lists_its_conv1d_layers():
     with pytest.raises(ValueError, match=r"did you mean c_attn\? Its linear layers are named \['c_attn', 'c_fc'"):
         check_target_modules(gpt2, ["c_atn"])
     check_target_modules(gpt2, ["c_attn"])  # peft adapts Conv1D: accepted
+
+
+def untied_tiny_model(path):
+    """The tiny llama with an output layer of its own (``tie_word_embeddings`` false), as a transformers folder."""
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(path, "llama"))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("left_out", "tied", "refused"),
+    [("model.norm.weight", True, True), ("lm_head.weight", False, True), ("lm_head.weight", True, False)],
+)
+def test_export_refuses_a_checkpoint_missing_a_weight_of_the_model(tmp_path, capsys, left_out, tied, refused):
+    """The base model's weight would stand in for the trained one, unseen. The output layer may be left out only
+    where it is the input embedding (tie_word_embeddings)."""
+    from gpo.cli import main
+
+    model = save_tiny_model(tmp_path / "model", "llama") if tied else untied_tiny_model(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(model)
+    assert loaded.config.tie_word_embeddings is tied
+    state = {f"policy.{key}": value for key, value in loaded.state_dict().items() if key != left_out}
+    torch.save({"state_dict": state}, tmp_path / "last.ckpt")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {model}\n")
+    if not refused:
+        main(["export", str(config), str(tmp_path / "last.ckpt"), str(tmp_path / "out")])
+        assert (tmp_path / "out" / "config.json").is_file()
+        return
+    with pytest.raises(SystemExit):
+        main(["export", str(config), str(tmp_path / "last.ckpt"), str(tmp_path / "out")])
+    assert f"1 weights missing (e.g. ['{left_out}']), 0 unexpected" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_replaces_a_folder_whole_and_leaves_no_partial_or_previous_folder_behind(tmp_path):
+    """A stale partial folder of a killed export is cleared first (its files would land in the export), and the
+    replaced export is removed once the new one is in place."""
+    from gpo.models.export import export_policy
+    from gpo.testing import char_tokenizer, tiny_model
+
+    stale = tmp_path / ".exported.partial"
+    stale.mkdir()
+    (stale / "junk.bin").write_bytes(b"from a killed export")
+    export_policy(tiny_model(seed=0), char_tokenizer(), tmp_path / "exported")
+    assert not (tmp_path / "exported" / "junk.bin").exists()
+    export_policy(tiny_model(seed=1), char_tokenizer(), tmp_path / "exported")  # over the first one
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["exported"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    torch.testing.assert_close(reloaded.lm_head.weight, tiny_model(seed=1).lm_head.weight)

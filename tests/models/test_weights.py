@@ -68,6 +68,15 @@ def test_lora_weights_are_merged_aside_like_peft_merge_and_unload():
     assert all(torch.equal(before[name], tensor) for name, tensor in policy.state_dict().items())
 
 
+def test_a_dora_adapter_is_refused_naming_the_layer():
+    """DoRA's magnitude vector does not merge as B A does: its merged weights would be wrong, unseen."""
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match=r"q_proj: DoRA adapters cannot be merged for the rollout engine; use plain"):
+        checkpoint_weights(policy)
+
+
 @pytest.mark.usefixtures("one_process_group")
 def test_fsdp2_dtensor_parameters_are_gathered():
     from torch.distributed.device_mesh import init_device_mesh

@@ -19,3 +19,23 @@ def test_ctrl_c_finishes_the_step_writes_its_checkpoint_and_stops(tmp_path):
     code, step, saved_at_the_signal = interrupt_after_first_checkpoint(config, tmp_path / "run", signal.SIGINT)
     assert code == 1 and saved_at_the_signal  # Lightning's exit code at Ctrl-C; its last periodic checkpoint is older
     assert step % 4 == 0 and 8 < step < 36  # after a whole batch (4 optimiser steps) past the periodic one at 8
+
+
+def test_a_second_ctrl_c_stops_at_once_and_a_callback_fitted_again_starts_without_the_first_runs_marks(tmp_path):
+    """The first Ctrl-C marks the run (it stops after the step); a second one raises where it lands. A trainer that
+    fits again with the same callback starts unmarked: it would otherwise stop after its first step."""
+    import lightning as L
+    import pytest
+
+    from gpo.callbacks import ResumeCheckpoint
+    from tests.reliability.test_run_folder import Linear
+
+    callback = ResumeCheckpoint(dirpath=tmp_path)
+    callback._note_sigint(signal.SIGINT, None)
+    assert callback._sigint_seen
+    with pytest.raises(KeyboardInterrupt):
+        callback._note_sigint(signal.SIGINT, None)
+    trainer = L.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(Linear())
+    assert trainer.global_step == 3
