@@ -71,7 +71,7 @@ def test_gpos_callbacks_reach_the_loggers_at_the_logged_batches_and_the_callback
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append(float(trainer.callback_metrics["dynamic_sampling/total_steps"]))
 
-    callbacks = [DynamicSampling(max_rounds=1), DifficultyFilter(), RolloutMonitor(), Reader()]
+    callbacks = [DifficultyFilter(), DynamicSampling(max_rounds=1), RolloutMonitor(), Reader()]
     logger = loggers.ContinuedCSVLogger(tmp_path / "cb")
     _, trainer = fit(tiny_assets, tmp_path, logger=logger, log_every_n_steps=3, callbacks=callbacks)
     assert seen == list(range(1, len(seen) + 1))  # every batch, skipped ones included
