@@ -305,3 +305,13 @@ def test_unique_ngram_ratio_keeps_bigrams_apart_whose_keys_a_base_too_small_woul
     """(0, M) and (1, 0) with M the largest id: a key ``first * M + second`` would make them equal."""
     ids, mask, group = torch.tensor([[0, 150_000], [1, 0]]), torch.ones(2, 2), torch.tensor([5, 5])
     assert unique_ngram_ratio(ids, mask, group, 2) == 1.0
+
+
+def test_an_emptied_rollout_publishes_nothing_and_a_statistic_without_a_value_is_left_out():
+    """A step DynamicSampling emptied trains nothing: nothing to measure (its statistics would fail on no rows). A
+    statistic with no value (no n-gram in completions shorter than ``ngram``) is left out, not logged as nan."""
+    empty = make_rollout(torch.zeros(0, 4, dtype=torch.long).tolist(), torch.zeros(0, 4).tolist(), [], [])
+    assert run_step(RolloutMonitor(), empty) == {}
+    short = make_rollout([[5, 1, 0, 0], [6, 1, 0, 0]], [[1, 1, 0, 0], [1, 1, 0, 0]], [0, 0], [0.0, 1.0])
+    logged = run_step(RolloutMonitor(ngram=3), short)
+    assert "monitor/ngram_unique" not in logged and "monitor/len_mean" in logged
