@@ -187,3 +187,13 @@ def test_writes_samples_during_a_real_run_and_resumes_the_schedule(tiny_assets, 
     resumed = CompletionSamples(every_n_steps=2, num_samples=2)
     fit(5, resumed, ckpt_path=tmp_path / "last.ckpt")
     assert resumed.rollouts_seen == 5 and texts == [0, 2, 4]  # the 4th rollout (0-based) is due
+
+
+def test_a_group_of_one_completion_is_shown_once_and_a_text_of_exactly_max_chars_whole(tmp_path):
+    """The group's best completion is also its worst: one row, not two. A text at the limit is not cut."""
+    rows = CompletionSamples(num_samples=4).pick(make_rollout(["p0"], [["only"]], [[0.5]]))
+    assert rows == [["high", 0.5, 0.5, "p0", "only"]]
+    rollout = make_rollout(["q"], [["y" * 20]], [[1.0]])
+    CompletionSamples(num_samples=1, max_chars=20).on_rollout_end(fake_trainer(tmp_path), None, rollout)
+    text = (tmp_path / "samples" / "step_000007.md").read_text()
+    assert "y" * 20 + "\n" in text and "more characters" not in text
