@@ -282,8 +282,7 @@ class Learner:
             backend.scheduler.step()
             return None
         inputs = {"advantages": batch.adv, **batch.inputs}  # what the loss read besides the policy's log-probs
-        parts = self.objective.part_names
-        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step, inputs, parts):
+        if not self.nonfinite.finite(loss_value, norm_value, self.scorer.policy, backend.step, inputs, self.objective):
             backend.optimizer.zero_grad()
             return None
         backend.optimizer.step()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
+
+from gpo.algo.objective import PolicyObjective
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +27,14 @@ class NonfiniteGuard:
 
     def finite(
         self, loss: float, grad_norm: float, model: torch.nn.Module, step: int, inputs: Mapping[str, Tensor],
-        parts: Sequence[str] = (),
+        objective: PolicyObjective | None = None,
     ) -> bool:  # fmt: skip
         """True when ``loss`` and ``grad_norm`` are finite (the streak restarts). Otherwise log a warning with the
         optimiser ``step``, the quantity, the ``inputs`` of the loss that are not finite themselves (the step's
         advantages, the log-probs it reads: checked only then, so a finite update pays nothing), or, when all are
-        finite, the ``parts`` that computed the loss from them (its gate, aggregator, ...), and the parameters whose
-        gradients are not finite (call it before the gradients are zeroed), and return False; raise once the streak
-        reaches ``max_in_a_row``."""
+        finite, the parts of ``objective`` that computed the loss from them (its gate, aggregator, ...), and the
+        parameters whose gradients are not finite (call it before the gradients are zeroed), and return False; raise
+        once the streak reaches ``max_in_a_row``."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.streak = 0
             return True
@@ -43,7 +45,8 @@ class NonfiniteGuard:
         if causes:
             where = f" (non-finite inputs: {', '.join(causes)})"
         else:
-            where = f" (its inputs are finite: made by {', '.join(parts)} or the policy's pass)" if parts else ""
+            parts = ", ".join(objective.part_names) if objective is not None else ""
+            where = f" (its inputs are finite: made by {parts} or the policy's pass)" if parts else ""
         where += f" (non-finite gradients in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
         log.warning("optimiser step %d: %s%s; update skipped, weights unchanged (%d in a row)", step, what, where,
                     self.streak)  # fmt: skip

@@ -361,13 +361,12 @@ def test_steps_whose_per_update_masks_leave_the_gate_no_token_count_into_the_emp
     import logging
 
     policy = tiny_model("llama", seed=1)
-    everything, nothing = DropsAbove(math.inf), DropsAbove(-1.0)
-    taught, backend = learner(policy, masks=[everything])
+    taught, backend = learner(policy, masks=[DropsAbove(math.inf)])
     rollout, adv = sampled(policy)
     mask = rollout.completion_mask.float()
     taught.empty_streak = 3
     assert taught.update(rollout, adv, mask, backend)[LOSS_TOKENS] > 0 and taught.empty_streak == 0
-    taught.objective.update_masks[0].bound = nothing.bound
+    taught.objective.update_masks[0].bound = -1.0  # now every token is dropped
     with caplog.at_level(logging.WARNING, logger="gpo"):
         for step in range(5):
             assert taught.update(rollout, adv, mask, backend)[LOSS_TOKENS] == 0
