@@ -1,6 +1,9 @@
 """What the ``gpo`` command shows and finds: the command list, ``gpo fit --help`` focused on gpo's settings with
 Lightning's one flag away, shipped configs by name, short errors, and the step-counting progress bar."""
 
+import importlib
+import inspect
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -10,6 +13,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from gpo.algo import presets
 from gpo.callbacks import StepProgressBar
 from gpo.cli import COMMANDS, SUBCOMMANDS, main, run
+from gpo.cli.helptext import ENGINES
 from gpo.cli.shipped import shipped_configs, with_shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -156,6 +160,41 @@ def test_reward_help_for_a_name_that_is_no_reward_class_says_which_are(capsys, n
     err = fit_error(capsys, "--model.rewards.help", name)
     assert err.startswith(f"gpo fit: error: --model.rewards.help {name}: ") and said in err, err
     assert "JudgeError" not in err and "ServedReward" not in err, err  # an exception and an abstract base: no rewards
+
+
+@pytest.mark.parametrize(
+    ("part", "example", "listed"),
+    [
+        ("engine", "--model.engine.help HFEngine", "gpo.rollout.vllm_server.VLLMServerEngine"),
+        ("mixer", "--model.mixer.help EnvEventOutcomeBlend", "GroupNormalizedSum, WeightedSum"),
+        ("algorithm", "--model.algorithm.help CISPO", "DAPO, DPPO, DRO, GMPO"),
+    ],
+)
+def test_a_part_help_without_a_class_names_the_classes_instead_of_an_empty_help(capsys, part, example, listed):
+    err = fit_error(capsys, f"--model.{part}.help")
+    assert f"--model.{part}.help takes a class, as in gpo fit {example}" in err and listed in err, err
+    assert "RewardMixer" not in err and "RolloutEngine" not in err, err  # the abstract bases are not offered
+    assert fit_error(capsys, f"--model.{part}.help", "--trainer.max_steps", "3") == err  # an option is no class
+
+
+def test_the_engines_a_help_request_lists_are_every_engine_gpo_ships():
+    import gpo.rollout
+    from gpo.rollout.base import RolloutEngine
+
+    internal = {"gpo.rollout.worker.ProcessEngine", "gpo.rollout.pipeline.QueuedEngine"}  # made by gpo, not given
+    shipped = set()
+    for module_info in pkgutil.iter_modules(gpo.rollout.__path__, "gpo.rollout."):
+        module = importlib.import_module(module_info.name)
+        for name, member in vars(module).items():
+            concrete = inspect.isclass(member) and issubclass(member, RolloutEngine) and not inspect.isabstract(member)
+            if concrete and member.__module__ == module.__name__:
+                shipped.add(f"{module.__name__}.{name}")
+    listed = set()
+    for path in ENGINES:
+        module, _, name = path.rpartition(".")
+        engine = getattr(importlib.import_module(module), name)  # gpo.rollout's own names are imported on first use
+        listed.add(f"{engine.__module__}.{engine.__name__}")
+    assert listed == shipped - internal, (listed, shipped)
 
 
 def test_lightnings_optimizer_flags_are_not_offered_and_point_to_model_optim(fit_help, capsys):

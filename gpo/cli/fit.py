@@ -81,6 +81,7 @@ class GPOCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         if isinstance(args, list | tuple):
+            helptext.check_class_help(args)
             args = ["--help" if arg == helptext.FULL_HELP else arg for arg in args]
         self.config = parser.parse_args(args)
 

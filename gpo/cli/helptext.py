@@ -86,6 +86,45 @@ class RewardClassHelp(argparse.Action):
         parser.exit()
 
 
+#: The rollout engines gpo ships, by import path (the vLLM ones are not among ``gpo.rollout``'s names: importing them
+#: imports vLLM's client code, seconds that a help request should not pay).
+ENGINES = (
+    "gpo.rollout.HFEngine",
+    "gpo.rollout.MultiTurnEngine",
+    "gpo.rollout.vllm.VLLMEngine",
+    "gpo.rollout.vllm_server.VLLMServerEngine",
+)
+
+
+def part_classes(part: str) -> list[str]:
+    """The classes gpo ships for ``part``, one of the parts whose kind is an abstract base: ``engine`` (by import
+    path), ``mixer`` and ``algorithm`` (by name: ``gpo.algo`` exports them)."""
+    import gpo.algo
+
+    if part == "engine":
+        return list(ENGINES)
+    base = {"mixer": gpo.algo.RewardMixer, "algorithm": gpo.algo.Algorithm}[part]
+    return [name for name in gpo.algo.__all__ if _concrete_subclass(getattr(gpo.algo, name), base)]
+
+
+def _concrete_subclass(member: object, base: type) -> bool:
+    return inspect.isclass(member) and issubclass(member, base) and not inspect.isabstract(member)
+
+
+def check_class_help(args: Sequence[str]) -> None:
+    """Refuse ``--model.engine.help`` (``mixer``, ``algorithm``) given no class, naming the classes there are:
+    jsonargparse then shows the help of the abstract base, which has no settings."""
+    for index, arg in enumerate(args):
+        part = arg.removeprefix("--model.").removesuffix(".help")
+        given = index + 1 < len(args) and not args[index + 1].startswith("-")
+        if arg == f"--model.{part}.help" and part in ("engine", "mixer", "algorithm") and not given:
+            classes = part_classes(part)
+            raise ValueError(
+                f"{arg} takes a class, as in gpo fit {arg} {classes[0].rpartition('.')[2]}; the {part} classes gpo "
+                f"ships: {', '.join(classes)} (a class of one's own by its import path)."
+            )
+
+
 def reward_class(value: str, label: str) -> type:
     """The reward class ``value`` names (a ``gpo.rewards`` name or an import path); a ValueError starting with
     ``label`` when it names none."""
