@@ -173,6 +173,13 @@ model:
                      id="lightning_refuses"),  # a MisconfigurationException (no Mac here)
         pytest.param(("--seed_everthing=1",), "unknown setting seed_everthing\ndid you mean seed_everything?",
                      id="top_level_key"),
+        pytest.param(("--model.rewards+=gpo.rewards.DuplicatePenalty", "--model.rewards.1.init_args.penalty=-0.5"),
+                     "unknown setting model.rewards.1.init_args.penalty\nmodel.rewards is a list, whose items the "
+                     "command line does not reach by index: --model.rewards+=CLASS --model.rewards.SETTING VALUE",
+                     id="list_item_by_index"),
+        pytest.param(("--model.rewards+=gpo.rewards.DuplicatePenalty", "--model.rewards.penalti=-0.5"),
+                     "model.rewards (DuplicatePenalty) has no setting 'penalti'\ndid you mean model.rewards.penalty?",
+                     id="reward_class_setting"),
         pytest.param(("--resume=last",), "the top-level settings are model, data, trainer, seed_everything",
                      id="top_level_far_off"),
         pytest.param(("--trainer.precision=bf17",),

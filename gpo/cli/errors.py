@@ -27,11 +27,14 @@ from gpo.suggest import did_you_mean
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "seed_everything", "ckpt_path", "export", "config", "print_config")
 JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
+_LIST_INDEX = re.compile(r"\.\d+(?=\.|$)")  # a list item's index in a dotted key: model.rewards.1.init_args.x
 _UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
 _NOT_ACCEPTED = re.compile(
     r"Problem with given class_path '([\w.]+)':\s*(?:Option '(\w+)' is not accepted|unrecognized arguments: --(\w+))"
 )
+# the same refusal for a class in a list of functions or callable classes (model.rewards)
+_CALLABLE_NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted\. Got value: Namespace\(class_path='([\w.]+)'")
 _NESTED = re.compile(r"NestedArg\(key='(\w+)'")
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _CLASS_PATH = re.compile(r"<class '([\w.]+)'>")
@@ -82,9 +85,9 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         lines = [problem, *([f"(set in {source})"] if source is not None else [])]
     known = dict(known or {})
     if unknown:
-        rejected = _NOT_ACCEPTED.search(message)
+        rejected = _rejected_option(message)
         if rejected:  # a class chosen by class_path: its own constructor says what it takes
-            known[key.rpartition(".init_args.")[0]] = _import(rejected.group(1))
+            known[key.rpartition(".init_args.")[0]] = _import(rejected[0])
         lines.extend(_hints(key, known))
     if key is not None and key.startswith("model.algorithm"):
         lines.extend(_algorithm_hints(key, message))
@@ -105,13 +108,15 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     """The key the message is about, the problem in one line, and whether the key itself is unknown."""
     # nested accounts name each level's key: "model.engine", then inside its class "sampling"
     group = ".init_args.".join(_PARSER_KEY.findall(message)) or None
-    rejected = _NOT_ACCEPTED.search(message)
+    rejected = _rejected_option(message)
     if group and rejected:
-        cls, option = rejected.group(1), rejected.group(2) or rejected.group(3)
+        cls, option = rejected
         return f"{group}.init_args.{option}", f"{group} ({cls.rsplit('.', 1)[-1]}) has no setting {option!r}", True
     unknown = _UNKNOWN_OPTION.search(message)
     if unknown:
         key = unknown.group(1) or unknown.group(2)
+        if group and not key.startswith(group):  # refused by the group's own parser: model.rewards' "1.init_args.x"
+            key = f"{group}.{key}"
         return key, f"unknown setting {key}", True
     nested = _NESTED.search(message)
     if group and nested and nested.group(1) not in _PARSER_KEY.findall(message):  # not a bad value of a known key
@@ -121,6 +126,15 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     shown = group.replace(".init_args.", ".")  # as it is written on the command line
     reason = _first_reason(message)
     return group, reason if reason.startswith(group) else f"{shown}: {reason}", False
+
+
+def _rejected_option(message: str) -> tuple[str, str] | None:
+    """The class chosen by ``class_path`` and the option its constructor refused, when that is the problem."""
+    rejected = _NOT_ACCEPTED.search(message)
+    if rejected:
+        return rejected.group(1), rejected.group(2) or rejected.group(3)
+    in_a_list = _CALLABLE_NOT_ACCEPTED.search(message)
+    return (in_a_list.group(2), in_a_list.group(1)) if in_a_list else None
 
 
 def _choices(message: str) -> list[str]:
@@ -329,6 +343,13 @@ def _closest_in_module(module_name: str, name: str, wanted: Callable[[Any], bool
 
 
 def _hints(key: str, known: Mapping[str, Any]) -> list[str]:
+    indexed = _LIST_INDEX.search(key)
+    if indexed:  # model.rewards.1.init_args.penalty: the command line reaches no list item by its index
+        items = key[: indexed.start()]
+        return [
+            f"{items} is a list, whose items the command line does not reach by index: --{items}+=CLASS "
+            f"--{items}.SETTING VALUE sets a setting of the item just added; or write the list in a YAML config."
+        ]
     for old, new in MOVED_KEYS.items():
         if key == old or key.startswith(old + "."):
             return [f"{old} moved: {new}."]
