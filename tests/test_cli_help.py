@@ -286,6 +286,16 @@ def fit_error(capsys, *args: str) -> str:
     return err[err.index("gpo fit: error: ") :]
 
 
+def test_a_wrong_value_in_a_class_given_inline_is_named_as_in_yaml_not_as_a_missing_file(tmp_path, capsys):
+    inline = "{class_path: gpo.callbacks.DifficultyFilter, init_args: {window: 2.5}}"
+    err = fit_error(capsys, f"--trainer.callbacks+={inline}")
+    assert err.startswith("gpo fit: error: trainer.callbacks.window: Expected a int. Got value: 2.5\n"), err
+    config = tmp_path / "callbacks.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: gpo.callbacks.DifficultyFilter\n      init_args: "
+                      "{window: 2.5}\n")  # fmt: skip
+    assert fit_error(capsys, "--config", str(config)).startswith(err.splitlines()[0]), err
+
+
 def test_a_wrong_value_names_the_key_the_expected_type_and_its_file(tmp_path, capsys):
     bad = tmp_path / "fast.yaml"
     bad.write_text("model:\n  optim:\n    lr: fast\n")

@@ -107,7 +107,8 @@ def _unset(key: str, source: str | None, config_files: Iterable[str]) -> str:
 def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
     """The key the message is about, the problem in one line, and whether the key itself is unknown."""
     # nested accounts name each level's key: "model.engine", then inside its class "sampling"
-    group = ".init_args.".join(_PARSER_KEY.findall(message)) or None
+    # (a union's members that hold the same class, one item or a list of them, give the same account twice: once)
+    group = ".init_args.".join(dict.fromkeys(_PARSER_KEY.findall(message))) or None
     rejected = _rejected_option(message)
     if group and rejected:
         cls, option = rejected
@@ -177,6 +178,8 @@ def _first_reason(message: str) -> str:
     reasons = [
         line.strip(" -") for line in message.splitlines() if line.strip() and not line.strip(" -").startswith(noise)
     ]
+    # jsonargparse first tries a value as a config file's path: that account goes last when there are others
+    reasons.sort(key=lambda reason: reason.startswith("Expected a path but"))
     reason = _CLASS.sub(r"\1", (reasons or [message.strip()])[0])
     not_callable = _NOT_CALLABLE.fullmatch(reason)
     return _unresolved_callable(*not_callable.groups()) if not_callable else reason
