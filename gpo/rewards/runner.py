@@ -141,7 +141,11 @@ def _run(fn: RewardFn, batch: dict[str, list], size: int, errors: RewardErrors) 
         message = f"reward function {name!r} did not return within timeout_s={errors.timeout_s} {first}"
         return [errors.value] * size, _Failure(f"{message}; its thread is abandoned", size)
     except Exception as exc:
-        culprit = _first_raising_row(fn, batch, size, timeout_s) if errors.policy == "fail" else None
+        from gpo.envs.http import ServiceError  # (aiohttp) only once a reward has raised
+
+        # rows scored alone find the one a function fails on; a service (a judge) that failed fails on any
+        search = errors.policy == "fail" and not isinstance(exc, ServiceError)
+        culprit = _first_raising_row(fn, batch, size, timeout_s) if search else None
         message = f"reward function {name!r} raised {_describe(exc)} {culprit or first}"
         return [errors.value] * size, _Failure(message, size, exc)
     if not isinstance(values, list) or len(values) != size:

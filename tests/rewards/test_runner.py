@@ -136,6 +136,22 @@ def test_fail_policy_chains_the_original_exception_and_names_the_row_that_raises
     )
 
 
+def test_a_service_that_fails_is_reported_once_and_not_called_again_row_by_row():
+    from gpo.envs.http import ServiceError
+
+    calls = []
+
+    def judge(prompts, completions, **kwargs):
+        calls.append(len(prompts))
+        raise ServiceError("the judge at http://127.0.0.1:9 does not answer")
+
+    with pytest.raises(RewardError) as caught:
+        score([judge], make_rollout())
+    assert calls == [4]  # the batch's call alone: every row would wait for the service again
+    assert str(caught.value).count("does not answer") == 1, str(caught.value)
+    assert isinstance(caught.value.__cause__, ServiceError)
+
+
 @pytest.mark.parametrize(("fn", "what", "prompt", "rows"), WHOLE_CALL + PER_ROW)
 def test_score_policy_replaces_the_failed_samples_counts_them_and_warns_once(fn, what, prompt, rows, caplog):
     with caplog.at_level(logging.WARNING, logger="gpo.rewards.runner"):
