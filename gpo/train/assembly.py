@@ -87,6 +87,7 @@ def assemble(
     """``GPOModule``'s parts from its arguments (each documented there), checked before anything is loaded."""
     preflight.check_part_kinds(locals())  # the arguments, by name
     preflight.check_module_arguments(policy, rewards, group_size, mixer, tokenizer)
+    preflight.check_pass_reward(evaluation, rewards)
     old_logprobs = preflight.old_logprobs_source(old_logprobs, ppo_clip_ref_logprobs)
     preflight.check_behaviour_policy(old_logprobs, correction is not None, max_off_policy_steps)
     parts = preset(algorithm).parts(engine.sampling.max_new_tokens)

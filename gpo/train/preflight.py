@@ -16,9 +16,10 @@ from gpo.algo.presets import Algorithm
 from gpo.algo.turns import StepRewards
 from gpo.models.loading import LoraSettings, check_pretrained_folder
 from gpo.models.teacher import Teacher
-from gpo.rewards.runner import RewardErrors, reward_name
+from gpo.rewards.runner import RewardErrors, RewardFn, reward_name
 from gpo.rewards.signature import check_reward_columns, check_reward_names, check_reward_signature
 from gpo.rollout.base import RolloutEngine
+from gpo.suggest import did_you_mean
 from gpo.train.evaluation import Evaluation
 from gpo.train.hooks import WeightSync, warn_unreached_hooks
 from gpo.train.optimization import Optimization
@@ -177,6 +178,19 @@ def check_module_arguments(policy, rewards, group_size: int, mixer, tokenizer) -
         raise ValueError(
             f"model.group_size={group_size}: group-relative advantages need at least 2 completions per prompt; "
             "set it to >= 2 (8 is usual)."
+        )
+
+
+def check_pass_reward(evaluation: Evaluation | None, rewards: Sequence[RewardFn]) -> None:
+    """``model.evaluation.pass_reward``, when set, names one of ``model.rewards``."""
+    if evaluation is None or evaluation.pass_reward is None:
+        return
+    names = [reward_name(fn) for fn in rewards]
+    if evaluation.pass_reward not in names:
+        guess = did_you_mean(evaluation.pass_reward, names)
+        raise ValueError(
+            f"model.evaluation.pass_reward={evaluation.pass_reward!r} names none of model.rewards, which are named "
+            f"{', '.join(names)}{'; ' + guess if guess else ''}."
         )
 
 

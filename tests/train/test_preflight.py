@@ -212,6 +212,9 @@ CLI_CASES = [
     bad("mixer_weights_count", "--model.mixer=gpo.algo.WeightedSum", "--model.mixer.weights=[1.0, 0.5]",
         field="model.mixer (WeightedSum) has 2 weights", fix="give one weight per reward function"),
     bad("no_rewards", "--model.rewards=[]", field="model.rewards is empty", fix="give at least one reward function"),
+    bad("pass_reward_unknown", "--model.evaluation.pass_reward=positional", field="model.evaluation.pass_reward="
+        "'positional' names none of model.rewards, which are named positional_match",
+        fix="did you mean positional_match?"),
     # ---- the compatibility rules and knob ranges of flat GRPO configs -------------------------------------------
     bad("unknown_algorithm", "--model.algorithm=ppo", field="model.algorithm='ppo'",
         fix="a preset's defaults (grpo, rloo"),
