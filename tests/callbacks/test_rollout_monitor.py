@@ -113,6 +113,14 @@ def test_unique_ngram_ratio_for_several_n(n, expected):
     assert ratio == pytest.approx(expected)
 
 
+def test_unique_ngram_ratio_averages_only_the_groups_that_have_ngrams():
+    """Group 0's completions are one token long: no bigram, so it is left out, not counted as a ratio of 0."""
+    ids = torch.tensor([[5, 0, 0], [6, 0, 0], [7, 8, 7], [7, 8, 7]])
+    mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])
+    # group 1's bigrams: 78 87 78 87, 2 distinct of 4
+    assert unique_ngram_ratio(ids, mask, torch.tensor([0, 0, 1, 1]), 2) == 0.5
+
+
 def test_unique_ngram_ratio_is_nan_without_ngrams():
     assert math.isnan(unique_ngram_ratio(torch.tensor(IDS), torch.tensor(MASK), torch.tensor(GROUP), 5))
     assert math.isnan(unique_ngram_ratio(torch.tensor(IDS), torch.zeros(4, 4), torch.tensor(GROUP), 1))
@@ -171,6 +179,32 @@ def test_no_warning_when_only_one_or_two_signals_fall(low):
         warnings.simplefilter("error")
         for step in range(1, 10):
             assert run_step(monitor, *signals(**low), step)["monitor/collapse_streak"] == 0.0
+
+
+def test_a_signal_at_exactly_the_collapse_fraction_of_its_peak_has_not_fallen():
+    monitor = RolloutMonitor(ngram=2, warmup=1, patience=1, collapse_fraction=0.5)
+    run_step(monitor, *signals())  # peaks: entropy 2, ngram_unique 1, reward_group_std 0.5
+    rollout, _ = signals(diversity_low=True, width_low=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_step(monitor, rollout, {"entropy": 1.0}, 1)["monitor/collapse_streak"] == 0.0  # 1.0 = 0.5 x 2
+    with pytest.warns(UserWarning, match="possible collapse at step 2"):
+        run_step(monitor, rollout, {"entropy": 0.999}, 2)
+
+
+def test_a_warning_given_before_a_resume_is_not_given_again_for_the_same_collapse():
+    monitor = RolloutMonitor(ngram=2, warmup=1, patience=1)
+    run_step(monitor, *signals())
+    with pytest.warns(UserWarning, match="possible collapse at step 1"):
+        run_step(monitor, *signals(**ALL_LOW), 1)
+    resumed = RolloutMonitor(ngram=2, warmup=1, patience=1)
+    resumed.load_state_dict(monitor.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_step(resumed, *signals(**ALL_LOW), 2)["monitor/collapse_streak"] == 2.0
+    run_step(resumed, *signals(), 3)  # recovery re-arms it
+    with pytest.warns(UserWarning, match="possible collapse at step 4"):
+        run_step(resumed, *signals(**ALL_LOW), 4)
 
 
 def test_no_collapse_is_judged_during_warmup():
