@@ -76,6 +76,10 @@ def test_a_callback_refuses_at_setup_a_module_that_has_not_set_what_it_reads(cal
         callback.setup(trainer, L.LightningModule(), "fit")
 
 
+def test_dynamic_sampling_that_only_filters_needs_no_draw_rollout():
+    DynamicSampling(max_rounds=0).setup(quiet_trainer(1), PolicyOnly(), "fit")  # it never draws: nothing to refuse
+
+
 class BothHooks(RolloutCallback):
     @override
     def on_prompts(self, trainer, pl_module, batch):
