@@ -42,6 +42,19 @@ def test_a_second_run_on_the_folder_of_a_live_one_stops_at_once(tiny_assets, tmp
         live.wait()
 
 
+def test_validating_in_the_folder_of_a_live_run_neither_refuses_it_nor_takes_its_lock(tmp_path):
+    """gpo validate --ckpt_path last reads a training run's checkpoint while it trains: only fit claims the folder."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim(tmp_path / "ckpt", live.pid)
+        callback = ResumeCheckpoint(dirpath=tmp_path / "ckpt")
+        callback.setup(quiet_trainer(1, [callback], enable_checkpointing=True), None, "validate")
+        assert json.loads((tmp_path / "ckpt" / RunLock.NAME).read_text())["pid"] == live.pid
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_a_stale_lock_and_a_killed_writes_partial_file_are_cleaned_up(tiny_assets, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
