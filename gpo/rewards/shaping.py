@@ -5,6 +5,7 @@ Add them to ``model.rewards`` next to the task's reward; the mixer sums them (we
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gpo.rewards.builtin import column
@@ -59,8 +60,10 @@ class DuplicatePenalty:
     """
 
     def __init__(self, *, penalty: float = -1.0, name: str = "duplicate_penalty") -> None:
-        if penalty > 0:
-            raise ValueError(f"DuplicatePenalty: penalty={penalty} must be <= 0: it is the reward of a repeat.")
+        if not math.isfinite(penalty) or penalty > 0:
+            raise ValueError(
+                f"DuplicatePenalty: penalty={penalty} must be a finite number <= 0: it is the reward of a repeat."
+            )
         self.penalty = penalty
         self.name = self.__name__ = name
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpo.rewards import LengthPenalty, RegexFormat, exact_match, math_answer, positional_match
+from gpo.rewards import LengthPenalty, RegexFormat, env_reward, exact_match, math_answer, positional_match
 from gpo.rewards.answers import MathChild
 
 PROMPTS = ["q"] * 4
@@ -80,6 +80,11 @@ def test_math_answer_wrong_empty_or_unparsable_scores_zero():
     scores = math_answer(["q"] * 6, completions, answer=golds)
     check(scores, 6)
     assert scores == [0.0] * 6
+
+
+def test_math_answer_in_the_main_thread_starts_no_child_process(monkeypatch):
+    monkeypatch.setattr("gpo.rewards.answers._child", None)  # any use of the child would fail
+    assert math_answer(["q", "q"], [r"\boxed{5}", "4"], answer=["5", "5"]) == [1.0, 0.0]
 
 
 PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"  # unbounded, sympy computes it for over 100 s holding the GIL
@@ -173,12 +178,22 @@ def test_length_penalty_hand_worked():
     assert penalty.__name__ == "length_penalty"
 
 
+def test_length_penalty_bounds_are_allowed():
+    completions, ids = ["", "a", "b"], [[], [1], [1, 2, 3]]
+    every_token = LengthPenalty(max_tokens=0, penalty_per_token=0.25)
+    assert every_token(["q"] * 3, completions, completion_ids=ids) == [0.0, -0.25, -0.75]  # 0, 1 and 3 tokens * 0.25
+    free = LengthPenalty(max_tokens=1, penalty_per_token=0.0)
+    assert free(["q"] * 3, completions, completion_ids=ids) == [0.0, 0.0, 0.0]
+
+
 def test_length_penalty_column_errors():
     penalty = LengthPenalty(max_tokens=3)
     with pytest.raises(ValueError, match=r"^length_penalty needs a column 'completion_ids'; the dataset has: answer$"):
         penalty(["q"], ["a"], answer=["a"])
     with pytest.raises(ValueError, match=r"column 'completion_ids' has 1 values for 2 completions"):
         penalty(["q", "q"], ["a", "b"], completion_ids=[[1]])
+    with pytest.raises(ValueError, match=r"column 'completion_ids' has 2 values for 1 completions"):
+        penalty(["q"], ["a"], completion_ids=[[1], [2]])
 
 
 @pytest.mark.parametrize(
@@ -193,6 +208,15 @@ def test_length_penalty_rejects_bad_args(kwargs):
 def test_length_penalty_rejects_infinite_penalty():
     with pytest.raises(ValueError, match="penalty_per_token"):
         LengthPenalty(max_tokens=4, penalty_per_token=float("inf"))
+
+
+# --- env_reward ---
+
+
+def test_env_reward_is_the_episode_return_and_says_which_engine_fills_it():
+    assert env_reward(["q", "q"], ["a", "b"], env_return=[1, -0.5]) == [1.0, -0.5]
+    with pytest.raises(ValueError, match=r"needs the 'env_return' column .* a gpo.rollout.MultiTurnEngine"):
+        env_reward(["q"], ["a"], answer=["a"], completion_ids=[[1]])
 
 
 def test_empty_batch_gives_empty_scores():

@@ -32,6 +32,51 @@ def test_event_and_outcome_scores_hand_worked(judge_url):
     assert event.name == "judge_event" and outcome.name == "judge_outcome"
 
 
+def test_an_episode_without_turns_scores_0_and_a_trailing_slash_in_judge_url_is_fine(judge_url):
+    turns = [[], *TURNS[:1]]  # an episode that ended before the policy's first turn, then episode 0
+    event = JudgeReward(judge_url=judge_url + "/", kind="event", **FAST)
+    outcome = JudgeReward(judge_url=judge_url + "/", kind="outcome", **FAST)
+    assert event(PROMPTS[:2], COMPLETIONS[:2], turns=turns) == pytest.approx([0.0, 2 / 3])  # no request: 0
+    assert outcome(PROMPTS[:2], COMPLETIONS[:2], turns=turns) == [0.0, 1.0]  # the judge scores no turns 0
+
+
+def test_an_event_shows_the_history_up_to_its_turn_and_an_outcome_all_of_it():
+    bodies = []
+    routes = web.RouteTableDef()
+
+    @routes.post("/score")
+    async def score(request):
+        bodies.append(await request.json())
+        return web.json_response({"score": float(len(bodies[-1]["turns"]))})
+
+    app = web.Application()
+    app.add_routes(routes)
+    turns = TURNS[1:2]  # two turns: "5", then "zz"
+    with serve(app) as url:
+        # event scores: 1 turn shown, then 2: their mean is 1.5; outcome: both turns shown
+        assert JudgeReward(judge_url=url, kind="event", **FAST)(PROMPTS[:1], COMPLETIONS[:1], turns=turns) == [1.5]
+        assert JudgeReward(judge_url=url, kind="outcome", **FAST)(PROMPTS[:1], COMPLETIONS[:1], turns=turns) == [2.0]
+    first, second = TURNS[1]
+    assert sorted(bodies[:2], key=lambda body: body["turn"]) == [
+        {"kind": "event", "prompt": PROMPTS[0], "completion": "", "turns": [first], "turn": 0},
+        {"kind": "event", "prompt": PROMPTS[0], "completion": "", "turns": [first, second], "turn": 1},
+    ]
+    assert bodies[2] == {"kind": "outcome", "prompt": PROMPTS[0], "completion": "", "turns": [first, second], "turn": 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency=0 must be >= 1"),
+        ({"judge_url": "127.0.0.1:8002"}, "judge_url='127.0.0.1:8002' must be an http:// or https:// URL"),
+        ({"health_max_wait_s": 0.0}, "health_max_wait_s=0.0 must be > 0"),
+    ],
+)
+def test_invalid_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        JudgeReward(**{"judge_url": "http://127.0.0.1:1", **kwargs})
+
+
 def test_env_event_outcome_blend_hand_worked(judge_url):
     env_return = [sum(r for _, r in episode) for episode in EPISODES]  # 1, 0, 1
     columns = [
@@ -85,6 +130,8 @@ def test_a_body_the_judge_cannot_use_is_answered_400_never_500(judge_url):
         "a reward not a number": {"kind": "outcome", "turns": [{**turn, "reward": "high"}]},
         "a turn index not an integer": {"kind": "event", "turns": [turn], "turn": "0"},
         "a turn index out of range": {"kind": "event", "turns": [turn], "turn": -2},
+        "a turn index one past the last turn": {"kind": "event", "turns": [turn], "turn": 1},
+        "a turn index that is a boolean": {"kind": "event", "turns": [turn, turn], "turn": True},
     }
     for what, body in refused.items():
         status, answer = post_json(f"{judge_url}/score", body)
@@ -92,6 +139,12 @@ def test_a_body_the_judge_cannot_use_is_answered_400_never_500(judge_url):
     for what, raw in {"not JSON": b"{", "nested too deeply": b"[" * 5000 + b"]" * 5000}.items():
         assert post_json(f"{judge_url}/score", raw=raw)[0] == 400, what
     assert post_json(f"{judge_url}/score", {"kind": "event", "turns": [turn], "turn": 0}) == (200, {"score": 1.0})
+    guess_then_text = [turn, {**turn, "action": "no guess"}]  # the judged turn is scored, not the last one
+    assert post_json(f"{judge_url}/score", {"kind": "event", "turns": guess_then_text, "turn": 0}) == (
+        200,
+        {"score": 1.0},
+    )
+    assert post_json(f"{judge_url}/score", {"kind": "outcome", "turns": [], "turn": -1}) == (200, {"score": 0.0})
 
 
 @pytest.mark.parametrize("answer", [{"score": True}, {"score": "1"}, {"score": float("nan")}, [1.0]])
@@ -145,5 +198,13 @@ def test_a_judge_that_is_down_fails_the_set_up_before_any_rollout_naming_it():
         collector.setup(tiny_model(), char_tokenizer())
     with serve(web.Application()) as url:
         JudgeReward(judge_url=url, **FAST).wait_ready()  # a judge without GET /health (404) is up: it answered
+
+    async def post_health(request):
+        return web.json_response({})
+
+    post_only = web.Application()
+    post_only.router.add_post("/health", post_health)
+    with serve(post_only) as url:
+        JudgeReward(judge_url=url, **FAST).wait_ready()  # GET /health not allowed (405): up as well
     with serve(make_app()) as url:
         Collector(HFEngine(), [JudgeReward(judge_url=url, **FAST)], group_size=2).setup(tiny_model(), char_tokenizer())

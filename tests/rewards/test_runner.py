@@ -10,7 +10,7 @@ import torch
 from jsonargparse import ArgumentParser
 
 from gpo.rewards import bounded_time, exact_match, positional_match
-from gpo.rewards.runner import MAX_SINGLE_ROW_RETRIES, RewardError, RewardErrors, score
+from gpo.rewards.runner import MAX_SINGLE_ROW_RETRIES, RewardError, RewardErrors, reward_name, score
 from gpo.rollout.base import Rollout
 
 PROMPTS = ["12=", "34=", "56=", "78="]
@@ -85,6 +85,22 @@ def not_a_list(prompts, completions, **_):
     return 0.5
 
 
+def one_too_many(prompts, completions, **_):
+    return [1.0] * (len(completions) + 1)
+
+
+def text_of_one_character_per_row(prompts, completions, **_):
+    return "1" * len(completions)  # iterable, but one string: not a value per row
+
+
+def zero_dim_tensor(prompts, completions, **_):
+    return torch.tensor(0.5)
+
+
+def pair_on_row_2(prompts, completions, **_):
+    return [torch.tensor([1.0, 2.0]) if row == 2 else 2.0 for row in range(len(completions))]
+
+
 def none_on_row_1(prompts, completions, **_):
     return [None if row == 1 else 2.0 for row in range(len(completions))]
 
@@ -106,12 +122,17 @@ WHOLE_CALL = [
     (raises, "raised ZeroDivisionError", "56=", [0, 1, 2, 3]),  # found by scoring rows alone (fail policy only)
     (one_short, "returned 3 values for 4 completions", "12=", [0, 1, 2, 3]),
     (not_a_list, "returned 0.5, not a list, for 4 completions", "12=", [0, 1, 2, 3]),
+    (one_too_many, "returned 5 values for 4 completions", "12=", [0, 1, 2, 3]),
+    (text_of_one_character_per_row, "returned '1111', not a list, for 4 completions", "12=", [0, 1, 2, 3]),
+    (zero_dim_tensor, "returned tensor(0.5000), not a list, for 4 completions", "12=", [0, 1, 2, 3]),
 ]
+# one bad row: the message names it and no others ("; rewards", not "(and 0 more of 4)")
 PER_ROW = [
-    (none_on_row_1, "returned None for prompt '34=' and completion '7'", "34=", [1]),
-    (nan_on_row_2, "returned nan for prompt '56=' and completion '11'", "56=", [2]),
-    (inf_on_row_3, "returned inf for prompt '78=' and completion '15'", "78=", [3]),
-    (text_on_row_0, "returned '1.0' for prompt '12=' and completion '3'", "12=", [0]),
+    (none_on_row_1, "returned None for prompt '34=' and completion '7'; rewards", "34=", [1]),
+    (nan_on_row_2, "returned nan for prompt '56=' and completion '11'; rewards", "56=", [2]),
+    (inf_on_row_3, "returned inf for prompt '78=' and completion '15'; rewards", "78=", [3]),
+    (text_on_row_0, "returned '1.0' for prompt '12=' and completion '3'; rewards", "12=", [0]),
+    (pair_on_row_2, "returned tensor([1., 2.]) for prompt '56=' and completion '11'; rewards", "56=", [2]),
 ]
 
 
@@ -213,12 +234,46 @@ def test_single_row_retries_are_bounded():
     assert calls == [size] + [1] * MAX_SINGLE_ROW_RETRIES
 
 
+def test_a_single_row_retry_that_hangs_ends_the_retries():
+    calls = []
+
+    def hangs_alone(prompts, completions, **_):
+        calls.append(len(prompts))
+        if len(prompts) > 1:
+            raise RuntimeError("batch")
+        time.sleep(0.3)  # past timeout_s: abandoned
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"raised RuntimeError: batch on a batch of 4 completions \(the first"):
+        score([hangs_alone], make_rollout(), RewardErrors(timeout_s=0.05))
+    assert calls == [4, 1]  # row 0 alone hangs: rows 1-3 are not tried, each for another timeout_s
+
+
+def test_an_empty_rollout_gives_an_empty_column_per_function():
+    scored = score([matches, length], make_rollout([], [], []), RewardErrors(policy="score"))
+    assert scored.values.shape == (0, 2) and scored.replaced == {"matches": 0, "length": 0}
+
+
 def test_a_long_prompt_is_abbreviated_in_the_message():
     prompt = "Q" * 1000 + "tail="
     with pytest.raises(RewardError) as caught:
         score([nan_on_row_2], make_rollout(["a=", "b=", prompt, "c="]))
     message = str(caught.value)
     assert "characters cut" in message and "tail=" in message and "Q" * 101 not in message
+
+
+def test_a_reward_is_named_by_its_name_attribute_then_its_function_name_then_its_class():
+    def plain(prompts, completions, **_):
+        return [0.0] * len(completions)
+
+    named = lambda prompts, completions, **_: [0.0] * len(completions)  # noqa: E731
+    named.name = "named"  # a lambda's __name__ is '<lambda>': the name attribute wins
+
+    class Scorer:
+        def __call__(self, prompts, completions, **_):
+            return [0.0] * len(completions)
+
+    assert [reward_name(fn) for fn in (plain, named, Scorer())] == ["plain", "named", "Scorer"]
 
 
 # ---- timeout -------------------------------------------------------------------------------------------------------
@@ -272,6 +327,46 @@ def test_a_slow_reward_function_is_reported_while_the_run_waits(caplog, timeout_
     )
 
 
+def test_a_call_that_returns_before_warn_after_s_is_never_reported(caplog):
+    with caplog.at_level(logging.WARNING, logger="gpo.rewards.runner"):
+        score([matches], make_rollout(), RewardErrors(timeout_s=None, warn_after_s=0.05))
+        time.sleep(0.1)  # past warn_after_s: a report left armed after the call would fire by now
+    assert caplog.records == []
+
+
+def test_a_reported_call_is_still_abandoned_after_timeout_s_in_all():
+    release = threading.Event()
+
+    def hangs(prompts, completions, **_):
+        release.wait(10)
+        return [1.0] * len(completions)
+
+    errors = RewardErrors(policy="score", timeout_s=1.0, warn_after_s=0.9)
+    started = time.perf_counter()
+    try:
+        scored = score([hangs], make_rollout(), errors)
+    finally:
+        release.set()
+    # 0.9 s to the report, then 0.1 s more: 1.0 s in all, not warn_after_s + timeout_s = 1.9 s
+    assert time.perf_counter() - started < 1.6
+    assert scored.replaced == {"hangs": 4}
+
+
+def test_an_abandoned_call_runs_in_a_daemon_thread_that_cannot_hold_the_process_open():
+    release = threading.Event()
+
+    def hangs(prompts, completions, **_):
+        release.wait(10)
+        return [1.0] * len(completions)
+
+    try:
+        score([hangs], make_rollout(), RewardErrors(policy="score", timeout_s=0.05))
+        abandoned = [thread for thread in threading.enumerate() if thread.name == "reward hangs"]
+        assert abandoned and all(thread.daemon for thread in abandoned)
+    finally:
+        release.set()
+
+
 def test_the_default_timeout_is_finite():
     assert 0 < RewardErrors().timeout_s < float("inf") and RewardErrors().warn_after_s < RewardErrors().timeout_s
 
@@ -311,6 +406,9 @@ def test_an_exception_inside_the_timeout_thread_reaches_the_caller():
             {"timeout_s": 0.0},
             r"model.reward_errors.timeout_s=0.0 must be a number of seconds > 0, or null for no limit",
         ),
+        ({"timeout_s": math.inf}, r"model.reward_errors.timeout_s=inf must be a number of seconds > 0, or null"),
+        ({"warn_after_s": 0.0}, r"model.reward_errors.warn_after_s=0.0 must be a number of seconds > 0"),
+        ({"warn_after_s": math.inf}, r"model.reward_errors.warn_after_s=inf must be a number of seconds > 0"),
     ],
 )
 def test_invalid_settings_are_refused(kwargs, message):

@@ -21,8 +21,9 @@ def test_soft_overlong_punishment_piecewise():
     out = reward(["p"] * 6, ["c"] * 6, completion_ids=ids_of(lengths))
     assert out == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     assert reward.__name__ == "soft_overlong"
-    with pytest.raises(ValueError, match="cache_length=12"):
-        SoftOverlongPunishment(max_length=10, cache_length=12)
+    for cache_length in (0, 12):  # a ramp of no width would divide by zero; one wider than L_max starts below 0
+        with pytest.raises(ValueError, match=f"cache_length={cache_length} must be in"):
+            SoftOverlongPunishment(max_length=10, cache_length=cache_length)
 
 
 @fuzz()
@@ -47,8 +48,9 @@ def test_duplicate_penalty_within_a_prompts_completions_only():
     # prompt a: rows 1 and 3 repeat row 0, row 2 differs; prompt b: row 4 is longer, row 5 first of its kind there
     out = DuplicatePenalty(penalty=-0.5)(prompts, ["x"] * 6, completion_ids=ids)
     assert out == [0.0, -0.5, 0.0, -0.5, 0.0, 0.0]
-    with pytest.raises(ValueError, match="penalty=1"):
-        DuplicatePenalty(penalty=1)
+    for penalty in (1, float("nan"), float("-inf")):  # a non-finite reward fails the run at the first repeat
+        with pytest.raises(ValueError, match=f"penalty={penalty} must be a finite number <= 0"):
+            DuplicatePenalty(penalty=penalty)
 
 
 @fuzz()
