@@ -48,6 +48,7 @@ Run from the repository root (1 torch thread by default; keep the other cores id
     python benchmarks/step_time.py --preset quickstart --steps 200
     python benchmarks/step_time.py --preset long
     python benchmarks/step_time.py --profile 25   # cProfile of the measured gpo steps instead (no timings table)
+    python benchmarks/step_time.py --op-sites 30  # gpo's tensor operations by the function that issues them
     python benchmarks/step_time.py --preset quickstart --stand-ins advantages scoring logging  # bare stand-ins
     python benchmarks/step_time.py --preset quickstart --with-callbacks  # DifficultyFilter and RolloutMonitor on
     python benchmarks/step_time.py --preset quickstart --accelerator cuda  # both sides on the GPU
@@ -70,6 +71,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +82,7 @@ import lightning as L
 import torch
 import transformers
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
@@ -255,19 +258,19 @@ def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
 class StepRecorder(RolloutCallback):
     """Collects a ``Step`` per training batch and, between gpo's steps, replays it with the bare work.
 
-    Interleaving puts gpo and the bare work under the same machine load. With ``profile`` the steps after the
-    warm-up run under cProfile instead (and no bare work is done).
+    Interleaving puts gpo and the bare work under the same machine load. With a ``profiler`` (cProfile, or
+    ``OpSites``) the steps after the warm-up run under it instead (and no bare work is done).
     """
 
     def __init__(
-        self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int, profile: bool, stand_ins: list[str],
-        clock: Callable[[], float],
+        self, engine: HFEngine, bare: BareWork | None, warmup: int, seed: int,
+        profiler: cProfile.Profile | OpSites | None, stand_ins: list[str], clock: Callable[[], float],
     ) -> None:  # fmt: skip
         self.steps: list[Step] = []
         self.clock = clock
         self.stand_ins = stand_ins
         self.bare, self.warmup, self.seed = bare, warmup, seed
-        self.profiler = cProfile.Profile() if profile else None
+        self.profiler = profiler
         self.last_end: float | None = None
         self.rollout = None
         self.engine = engine
@@ -405,9 +408,10 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         old_logprobs="trainer",  # on-policy: old log-probs = the current ones, detached (as TRL does)
         seed=args.seed,
     )
-    profile, device = args.profile is not None, torch.device(args.accelerator)
-    bare = None if profile else BareWork(model_path, args, device)
-    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profile, args.stand_ins, device_clock(device))
+    device = torch.device(args.accelerator)
+    profiler = cProfile.Profile() if args.profile is not None else OpSites() if args.op_sites is not None else None
+    bare = None if profiler is not None else BareWork(model_path, args, device)
+    recorder = StepRecorder(engine, bare, args.warmup, args.seed, profiler, args.stand_ins, device_clock(device))
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,
@@ -421,8 +425,10 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
         callbacks=[*monitoring_callbacks(args.with_callbacks), recorder],
     )
     trainer.fit(module, PromptDataModule(data_path, tokenizer=model_path, prompts_per_step=args.prompts_per_step))
-    if recorder.profiler is not None:
-        print_profile(recorder.profiler, args.profile)
+    if isinstance(profiler, cProfile.Profile):
+        print_profile(profiler, args.profile)
+    elif profiler is not None:
+        profiler.print(args.op_sites, steps=args.steps)
     return recorder.steps[args.warmup :]
 
 
@@ -437,6 +443,63 @@ def device_clock(device: torch.device) -> Callable[[], float]:
         return time.perf_counter()
 
     return clock
+
+
+class OpSites(TorchDispatchMode):
+    """Counts the tensor operations of the measured steps, and the host time each takes to run (on a GPU: to be
+    checked, dispatched and launched), by what issued it: the innermost frame in ``gpo/`` or ``callbacks/``, or, for
+    operations run inside transformers (the model, ``generate``), the autograd engine (backward) or ``torch.optim``,
+    that. Views (operations whose result aliases an input without writing it) are left out: they launch no kernel.
+    The dispatch hook's own cost is not in the times, but it slows the steps it watches."""
+
+    GROUPS = (("/transformers/", "the model and generate (transformers)"), ("/torch/autograd/", "backward"),
+              ("/torch/optim/", "optimiser (torch.optim)"))  # fmt: skip
+    ELSEWHERE = "elsewhere (Lightning, this benchmark)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.seconds = Counter(), Counter()
+
+    def enable(self) -> None:
+        self.__enter__()
+
+    def disable(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        started = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        elapsed = time.perf_counter() - started
+        returned = func._schema.returns
+        if not (returned and returned[0].alias_info is not None and not returned[0].alias_info.is_write):
+            site = self.site()
+            self.count[site] += 1
+            self.seconds[site] += elapsed
+        return out
+
+    def site(self) -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            for part, group in self.GROUPS:
+                if part in name:
+                    return group
+            if "/gpo/" in name or "/callbacks/" in name:
+                return f"{name.rsplit('/gpo/', 1)[-1].rsplit('/callbacks/', 1)[-1]}:{frame.f_code.co_name}"
+            frame = frame.f_back
+        return self.ELSEWHERE
+
+    def print(self, top: int, steps: int) -> None:
+        """The groups, the ``top`` gpo sites with the most operations and gpo's total, per step over ``steps``."""
+        others = {group for _, group in self.GROUPS} | {self.ELSEWHERE}
+        own = Counter({site: n for site, n in self.count.items() if site not in others})
+        shown = [site for site in self.count if site not in own] + [site for site, _ in own.most_common(top)]
+        print(f"\n## Tensor operations by call site, per step (mean of {steps}; views left out)\n")
+        print("| issued by | operations | host ms |\n| --- | ---: | ---: |")
+        for site in sorted(shown, key=self.count.__getitem__, reverse=True):
+            print(f"| {site} | {self.count[site] / steps:.1f} | {self.seconds[site] / steps * 1e3:.3f} |")
+        ops, seconds = sum(own.values()) / steps, sum(self.seconds[site] for site in own) / steps
+        print(f"| **gpo's own, all {len(own)} sites** | **{ops:.1f}** | **{seconds * 1e3:.3f}** |")
 
 
 def print_profile(profiler: cProfile.Profile, top: int) -> None:
@@ -541,6 +604,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="print cProfile's TOP entries for the measured gpo steps instead"
     )
+    parser.add_argument(
+        "--op-sites", type=int, metavar="TOP",
+        help="count the measured gpo steps' tensor operations by the gpo function that issues them (TOP of them) "
+        "instead",
+    )  # fmt: skip
     add_preset_argument(parser)
     parser.add_argument("--loggers", choices=["default", "none"], default="default", help="CSV + TensorBoard, or none")
     parser.add_argument(
@@ -601,7 +669,7 @@ def main() -> None:
         model_path, data_path = make_workspace(Path(tmp), args)
         steps = run_gpo(model_path, data_path, Path(tmp), args)
     print(f"- load average (1 min) after the run: {os.getloadavg()[0]:.2f}")
-    if args.profile is None:
+    if args.profile is None and args.op_sites is None:
         report(steps)
 
 
