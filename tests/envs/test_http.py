@@ -3,14 +3,27 @@ health wait, and the warning of a server that listens beyond loopback without a 
 
 import argparse
 import asyncio
+import itertools
 import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from gpo.envs.http import Retries, ServiceError, retried_status, service_token, token_from, wait_healthy
+from gpo.envs import http
+from gpo.envs.http import (
+    Retries,
+    ServiceError,
+    bearer,
+    request_json,
+    retried_status,
+    service_app,
+    service_token,
+    token_from,
+    wait_healthy,
+)
 from tests.envs.servers import serve
+from tests.ports import free_port
 
 
 def test_only_what_can_succeed_on_retry_is_retried():
@@ -32,14 +45,36 @@ def test_backoff_schedule_under_attempts_and_under_a_time_bound():
         Retries(attempts=None)
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [{"timeout_s": 0.0}, {"attempts": 0}, {"backoff_s": -1.0}, {"max_backoff_s": -1.0}, {"retry_max_s": -1.0}],
+)
+def test_retry_settings_out_of_range_are_refused(setting):
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}="):
+        Retries(**setting)
+
+
+def test_the_waits_of_one_request_end_once_attempts_or_retry_max_s_are_spent(monkeypatch):
+    assert list(Retries(attempts=3, backoff_s=0.5).waits()) == [0.5, 1.0]  # 3 tries: 2 retries
+    # retry_max_s=3 from the first failure (t=10): at t=10 wait 1; at t=12 wait 2 cut to the 1 s left; at t=13.5 spent
+    clock = iter([10.0, 10.0, 12.0, 13.5])
+    monkeypatch.setattr(http.time, "monotonic", lambda: next(clock))
+    waits = Retries(attempts=None, backoff_s=1.0, retry_max_s=3.0).waits()
+    assert list(itertools.islice(waits, 5)) == [1.0, 1.0]
+
+
 def test_a_token_comes_from_the_setting_else_from_the_environment(monkeypatch):
     monkeypatch.setenv("GPO_TEST_TOKEN", "from-env")
     assert token_from("given", "GPO_TEST_TOKEN") == "given" and token_from(None, "GPO_TEST_TOKEN") == "from-env"
+    assert token_from("", "GPO_TEST_TOKEN") is None  # an empty setting is none: not replaced by the variable
     monkeypatch.setenv("GPO_TEST_TOKEN", "")
     assert token_from(None, "GPO_TEST_TOKEN") is None
+    assert bearer(None) == {} and bearer("t") == {"Authorization": "Bearer t"}
 
 
-@pytest.mark.parametrize(("host", "warned"), [("127.0.0.1", False), ("::1", False), ("0.0.0.0", True)])
+@pytest.mark.parametrize(
+    ("host", "warned"), [("127.0.0.1", False), ("::1", False), ("localhost", False), ("0.0.0.0", True)]
+)
 def test_a_server_beyond_loopback_without_a_token_warns(host, warned, capsys, monkeypatch):
     monkeypatch.delenv("GPO_TEST_TOKEN", raising=False)
     args = argparse.Namespace(host=host, port=8001, token=None)
@@ -62,11 +97,11 @@ def health_app(*, unhealthy: int = 0, status: int = 503) -> web.Application:
     return app
 
 
-def wait(url: str, max_wait_s: float) -> None:
+def wait(url: str, max_wait_s: float, *, timeout_s: float = 1.0, interval_s: float = 0.05) -> None:
     async def run():
         async with aiohttp.ClientSession() as session:
             await wait_healthy(
-                session, f"{url}/health", max_wait_s=max_wait_s, timeout_s=1.0, describe="svc", interval_s=0.05
+                session, url, max_wait_s=max_wait_s, timeout_s=timeout_s, describe="svc", interval_s=interval_s
             )
 
     asyncio.run(run())
@@ -74,14 +109,76 @@ def wait(url: str, max_wait_s: float) -> None:
 
 def test_the_health_wait_polls_through_503_and_stops_at_once_on_a_refusal():
     with serve(health_app(unhealthy=5)) as url:
-        wait(url, 5.0)  # 503 five times, then 200
+        wait(f"{url}/health", 5.0)  # 503 five times, then 200
     with serve(health_app(unhealthy=100, status=401)) as url:
         started = time.monotonic()
         with pytest.raises(ServiceError, match=r"svc: GET .*/health was refused with HTTP 401"):
-            wait(url, 5.0)
+            wait(f"{url}/health", 5.0)
         assert time.monotonic() - started < 3.0  # not the 5 s of max_wait_s
     with (
         serve(health_app(unhealthy=1000)) as url,
         pytest.raises(ServiceError, match=r"within health_max_wait_s=0.5 s \(last: HTTP 503"),
     ):
-        wait(url, 0.5)
+        wait(f"{url}/health", 0.5)
+
+
+def test_the_health_wait_ends_at_max_wait_s_neither_after_a_pending_poll_nor_after_one_more_interval():
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)
+        return web.Response()
+
+    app = health_app(unhealthy=1000)
+    app.router.add_get("/slow", slow)
+    with serve(app) as url:
+        # a 503, then the next poll (2 s later) would start past the deadline: raised at once
+        # a poll that answers after 1 s: cut at the deadline (0.3 s), not after its timeout_s of 5 s
+        for path, interval_s in (("health", 2.0), ("slow", 0.05)):
+            started = time.monotonic()
+            with pytest.raises(ServiceError, match=r"within health_max_wait_s=0.3 s"):
+                wait(f"{url}/{path}", 0.3, timeout_s=5.0, interval_s=interval_s)
+            assert time.monotonic() - started < 0.9
+
+
+def test_a_server_refuses_a_body_bound_below_one_byte():
+    with pytest.raises(ValueError, match="max_body_bytes=0 must be >= 1"):
+        service_app(web.RouteTableDef(), token=None, max_body_bytes=0)
+
+
+def answers_app(asked: list) -> web.Application:
+    """``/bad`` refuses with 400, ``/busy`` answers 503, ``/empty`` answers 200 with no body; records each path."""
+
+    async def handler(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        status = {"/bad": 400, "/busy": 503, "/empty": 200}[request.path]
+        return web.Response(status=status, text="" if status == 200 else '{"error": "no"}')
+
+    app = web.Application()
+    app.router.add_post("/{name}", handler)
+    return app
+
+
+def call(url: str, retries: Retries):
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            return await request_json(session, "POST", url, {}, retries=retries, describe="svc")
+
+    return asyncio.run(run())
+
+
+def test_a_request_is_refused_at_once_retried_after_its_backoff_or_answered_none_for_an_empty_body():
+    asked = []
+    with serve(answers_app(asked)) as url:
+        with pytest.raises(ServiceError, match=r"svc: POST .*/bad was refused with HTTP 400 \(not retried"):
+            call(f"{url}/bad", Retries(attempts=3, backoff_s=0.01))
+        assert asked == ["/bad"]
+        started = time.monotonic()
+        with pytest.raises(ServiceError, match=r"failed after 3 attempt\(s\).*the last: HTTP 503"):
+            call(f"{url}/busy", Retries(attempts=3, backoff_s=0.1))
+        assert asked.count("/busy") == 3 and time.monotonic() - started >= 0.3  # waited 0.1, then 0.2
+        assert call(f"{url}/empty", Retries()) is None
+
+
+def test_a_connection_refused_is_retried_then_reported():
+    url = f"http://127.0.0.1:{free_port()}/x"  # nobody listens
+    with pytest.raises(ServiceError, match=r"failed after 2 attempt\(s\).*the last: connection failed"):
+        call(url, Retries(attempts=2, backoff_s=0.01))

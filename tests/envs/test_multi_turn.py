@@ -1,4 +1,5 @@
 import re
+from dataclasses import replace
 from typing import ClassVar
 
 import pytest
@@ -8,7 +9,8 @@ from gpo.algo import StepRewards
 from gpo.envs import Environment, NumberGuess, Step
 from gpo.models.scorer import score_tokens
 from gpo.rollout import HFEngine, MultiTurnEngine, RolloutEngine, Sampling
-from gpo.rollout.base import concat_rollouts
+from gpo.rollout.base import Rollout, concat_rollouts
+from gpo.rollout.multi_turn import episode_seeds
 from gpo.testing import char_tokenizer, tiny_model
 
 
@@ -47,6 +49,33 @@ class Echo(Environment):
     def step(self, action):
         self.turn += 1
         return Step(self.observation, self.rewards[self.turn - 1], False, {})
+
+
+class Scripted(RolloutEngine):
+    """Answers its ``k``-th call with the token rows ``turns[k]`` (one per context, right-padded), each real token with
+    log-prob ``-(row + 1) / 4`` and padding with -9; records the contexts and sampling of each call."""
+
+    def __init__(self, turns: list[list[list[int]]], *, max_new_tokens: int = 4) -> None:
+        self.turns, self.calls, self.sampling = list(turns), [], Sampling(max_new_tokens=max_new_tokens)
+
+    def generate(self, prompt_ids, n, *, greedy=False, seed=None, logprobs=True, sampling=None):
+        self.calls.append({"contexts": [list(p) for p in prompt_ids], "sampling": sampling})
+        rows = self.turns[len(self.calls) - 1]
+        width, pad = max(len(r) for r in rows), char_tokenizer().pad_token_id
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        logp = torch.where(mask.bool(), -(torch.arange(len(rows))[:, None] + 1) / 4, -9.0)
+        return Rollout(
+            torch.zeros((len(rows), 1), dtype=torch.long), torch.ones((len(rows), 1), dtype=torch.long),
+            torch.tensor([r + [pad] * (width - len(r)) for r in rows]), mask,
+            truncated=torch.zeros(len(rows), dtype=torch.bool), group=torch.arange(len(rows)),
+            logp=logp.float() if logprobs else None,
+        )  # fmt: skip
+
+
+def scripted(env, turns, **kwargs):
+    e = MultiTurnEngine(engine=Scripted(turns), env=env, **kwargs)
+    e.setup(None, char_tokenizer())
+    return e
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +185,11 @@ def test_bad_settings():
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), max_concurrent_rollouts=0)
     with pytest.raises(TypeError):
         MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), step_rewards_mode="dense")  # now gpo.algo.StepRewards
+    with pytest.raises(ValueError, match=re.escape("observation_template='User: ' must contain '{observation}'")):
+        MultiTurnEngine(engine=HFEngine(), env=NumberGuess(), observation_template="User: ")
+    wanted = "MultiTurnEngine(engine=...) takes a gpo.rollout.base.RolloutEngine instance; got the class HFEngine."
+    with pytest.raises(TypeError, match=re.escape(wanted)):
+        MultiTurnEngine(engine=HFEngine, env=NumberGuess())
 
 
 def test_a_kl_penalty_in_the_reward_sums_over_the_policys_tokens_only(model_and_tokenizer):
@@ -191,6 +225,7 @@ def test_a_kl_penalty_in_the_reward_sums_over_the_policys_tokens_only(model_and_
         (("ok", "1.0", False, {}), r"reward='1.0' must be a finite number"),
         (("ok", True, False, {}), r"reward=True must be a finite number"),
         (("ok", float("nan"), False, {}), r"reward=nan must be a finite number"),
+        (("ok", torch.tensor([0.5, 0.5]), False, {}), r"reward=tensor\(\[0.5000, 0.5000\]\) must be a finite number"),
         ((None, 0.0, False, {}), r"observation=None must be a str"),
         (("ok", 0.0, False, "x"), r"info='x' must be a dict"),
         (("ok", 0.0), r"Answers.step returned \('ok', 0.0\); return gpo.envs.Step\(observation, reward, done, info\)"),
@@ -249,3 +284,128 @@ def test_a_step_answer_may_hold_numpy_or_tensor_scalars_and_its_info_is_copied(m
     rollout = e.generate([char_tokenizer()("p").input_ids], 1, seed=0)
     assert rollout.fields["env_return"] == [0.75] and rollout.fields["env_done"] == [True]
     assert [turn["info"]["calls"] for turn in rollout.fields["turns"][0]] == [1, 2]  # each turn's own copy
+
+
+def test_a_turn_ended_by_eos_keeps_its_eos_drops_its_padding_and_reaches_the_env_as_text():
+    tok = char_tokenizer()
+    eos = tok.eos_token_id
+    # two episodes of Echo, two turns; row 0 stops at EOS in turn 0, row 1 in turn 1 (the other row runs full)
+    turns = [[[*tok("3").input_ids, eos], tok("45").input_ids], [tok("6").input_ids, [*tok("78").input_ids, eos]]]
+    e = scripted(Echo(), turns, max_turns=2)
+    rollout = e.generate([tok("p").input_ids], 2, seed=0)
+    start, between = tok("go\n").input_ids, tok("ok\n").input_ids
+    rows = [start + turns[0][0] + between + turns[1][0], start + turns[0][1] + between + turns[1][1]]
+    for row, expected in enumerate(rows):  # 3 + 2 + 3 + 1 = 9 and 3 + 2 + 3 + 3 = 11 tokens: no padding inside
+        assert rollout.completion_ids[row][: len(expected)].tolist() == expected
+        assert rollout.completion_mask[row].sum() == len(expected)
+    # policy tokens (EOS included) train and carry the sampler's log-prob, -1/4 on row 0 and -2/4 on row 1
+    assert rollout.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1]]
+    assert rollout.logp.tolist() == [
+        [0, 0, 0, -0.25, -0.25, 0, 0, 0, -0.25, 0, 0],
+        [0, 0, 0, -0.5, -0.5, 0, 0, 0, -0.5, -0.5, -0.5],
+    ]
+    # the environment reads the decoded text, EOS left out
+    assert [[t["action"] for t in turns] for turns in rollout.fields["turns"]] == [["3", "6"], ["45", "78"]]
+    # the second turn's context: prompt, first observation, the first turn (with its EOS), the observation
+    assert e.engine.calls[1]["contexts"][0] == tok("p").input_ids + start + turns[0][0] + between
+
+
+def test_without_logprobs_the_rollout_has_none():
+    tok = char_tokenizer()
+    e = scripted(Echo(), [[tok("1").input_ids]], max_turns=1)
+    assert e.generate([tok("p").input_ids], 1, seed=0, logprobs=False).logp is None
+
+
+def test_an_episodes_sampling_keeps_each_turn_to_the_wrapped_engines_budget():
+    tok = char_tokenizer()
+    e = scripted(Echo(), [[tok("1").input_ids]] * 3, max_turns=3)
+    assert e.sampling.max_new_tokens == 12  # 4 per turn x 3 turns
+    e.generate([tok("p").input_ids], 1, seed=0, sampling=replace(e.sampling, temperature=0.5))
+    assert [(c["sampling"].max_new_tokens, c["sampling"].temperature) for c in e.engine.calls] == [(4, 0.5)] * 3
+
+
+def test_the_given_tasks_reach_the_environment_not_the_decoded_prompts():
+    tok = char_tokenizer()
+    Echo.seeds = []
+    e = scripted(Echo(), [[tok("1").input_ids] * 3], max_turns=1)
+    e.generate([tok("p").input_ids, tok("q").input_ids], 1, seed=0, tasks=["task one", "task two"])
+    assert [task for _, task in Echo.seeds] == ["task one", "task two"]
+
+
+def test_observations_enter_the_context_through_the_template_and_an_empty_one_not_at_all():
+    tok = char_tokenizer()
+
+    class StartsSilent(Echo):
+        def reset(self, seed, task):
+            return ""
+
+    e = scripted(StartsSilent(), [[tok("1").input_ids]] * 2, max_turns=2, observation_template="[{observation}]")
+    rollout = e.generate([tok("p").input_ids], 1, seed=0)
+    expected = tok("1").input_ids + tok("[ok\n]").input_ids + tok("1").input_ids  # no "[]" for the empty first one
+    assert rollout.completion_ids[0].tolist() == expected
+    assert rollout.loss_mask[0].tolist() == [1, 0, 0, 0, 0, 0, 1]  # 1 + len("[ok\n]") = 5 + 1
+
+
+def test_an_episode_done_before_max_turns_ends_at_its_last_action_with_nan_rewards_after():
+    tok = char_tokenizer()
+
+    class WinsOnSecond(Echo):
+        def step(self, action):
+            self.turn += 1
+            return Step("bye\n" if self.turn == 2 else "ok\n", float(self.turn), self.turn == 2, {})
+
+    e = scripted(WinsOnSecond(), [[tok("1").input_ids]] * 2, max_turns=4)
+    rollout = e.generate([tok("p").input_ids], 1, seed=0)
+    assert len(e.engine.calls) == 2  # no third turn once done
+    # "bye\n", the answer that ends it, is kept in the turn records only: no turn reads it
+    assert rollout.completion_ids[0].tolist() == tok("go\n1ok\n1").input_ids
+    assert rollout.fields["turns"][0][-1]["observation"] == "bye\n" and rollout.fields["env_return"] == [3.0]
+    torch.testing.assert_close(
+        rollout.turn_rewards, torch.tensor([[1.0, 2.0, float("nan"), float("nan")]]), equal_nan=True
+    )
+    assert rollout.fields["env_done"] == [True] and not rollout.truncated.any()
+
+
+def test_every_episodes_copy_of_the_environment_is_closed_and_a_failed_close_is_only_logged(caplog):
+    tok = char_tokenizer()
+
+    class Closes(Echo):
+        closed: ClassVar[list] = []
+
+        def close(self):
+            Closes.closed.append(self.turn)
+            if len(Closes.closed) > 1:
+                raise OSError("already gone")
+
+    e = scripted(Closes(), [[tok("1").input_ids] * 3] * 2, max_turns=2)
+    rollout = e.generate([tok("p").input_ids], 3, seed=0)
+    assert Closes.closed == [2, 2, 2]  # each of the three copies, after its two turns
+    assert rollout.fields["env_return"] == [0.5] * 3  # rewards 0 + 0.5: the rollout is kept
+    assert "2 of 3 episodes failed to close; the first: already gone" in caplog.text
+
+
+def test_when_an_episode_fails_to_open_the_opened_ones_are_closed_and_the_error_raised(caplog):
+    tok = char_tokenizer()
+
+    class RefusesBad(Echo):
+        closed: ClassVar[list] = []
+
+        def reset(self, seed, task):
+            if task == "bad":
+                raise ValueError("no such task")
+            return super().reset(seed, task)
+
+        def close(self):
+            RefusesBad.closed.append(self.turn)
+
+    e = scripted(RefusesBad(), [], max_turns=1)
+    with pytest.raises(ValueError, match="no such task"):
+        e.generate([tok("p").input_ids, tok("q").input_ids], 2, seed=0, tasks=["ok", "bad"])
+    assert RefusesBad.closed == [0, 0]  # the two episodes of "ok", never stepped; none of "bad" (never opened)
+    assert "failed to close" not in caplog.text
+
+
+def test_episode_seeds_are_reproducible_and_fit_a_32_bit_integer():
+    seeds = episode_seeds(7, 256)
+    assert seeds == episode_seeds(7, 256) and len(set(seeds)) == 256
+    assert all(0 <= s < 2**31 for s in seeds)  # with seeds up to 2**32, about half would not fit

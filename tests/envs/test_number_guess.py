@@ -27,3 +27,13 @@ def test_same_seed_same_secret_and_bad_settings():
         NumberGuess(low=5, high=2)
     with pytest.raises(RuntimeError, match="before reset"):
         NumberGuess().step("1")
+
+
+def test_a_one_number_range_a_negative_secret_and_the_win_reward():
+    single = NumberGuess(low=3, high=3)
+    single.reset(seed=0, task="")
+    assert single.step("3") == Step("correct\n", 1.0, True, {"guess": 3})
+    env = NumberGuess(low=-8, high=-1, win_reward=2.5)
+    env.reset(seed=3, task="")
+    secret = random.Random(3).randint(-8, -1)
+    assert env.step(f"{secret}") == Step("correct\n", 2.5, True, {"guess": secret})  # "-5" is -5, not 5

@@ -5,14 +5,18 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from typing import ClassVar
 
 import pytest
 import torch
+from aiohttp import web
 
 from gpo.envs import NumberGuess, Step, TaskApp, TaskAppError
-from gpo.envs.task_app import make_app
+from gpo.envs.http import Retries
+from gpo.envs.task_app import load_env, make_app
 from gpo.rollout import HFEngine, MultiTurnEngine, Sampling
 from gpo.testing import char_tokenizer, tiny_model
 from tests.envs.servers import Faults, post_json, serve, with_faults
@@ -71,6 +75,68 @@ def test_protocol_example_exchange():
         assert open_episodes(url) == 0
 
 
+def test_turns_are_answered_in_order_once_each_and_a_repeated_create_keeps_the_episode():
+    with serve(make_app(NumberGuess(low=1, high=8))) as url:
+        secret = __import__("random").Random(3).randint(1, 8)
+        wrong = 1 if secret != 1 else 2
+        create = {"seed": 3, "task": "t", "id": "e1"}
+        post_json(f"{url}/episodes", create)
+        assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": -1})[0] == 409  # before any turn
+        assert post_json(f"{url}/episodes/e1/step", {"action": str(wrong)})[0] == 200  # no turn: the next, turn 0
+        assert post_json(f"{url}/episodes", create)[0] == 200  # a retried create: the episode goes on at turn 1
+        assert post_json(f"{url}/episodes/e1/step", {"action": str(wrong), "turn": 1})[0] == 200
+        assert post_json(f"{url}/episodes/e1/step", {"action": str(wrong), "turn": 0})[0] == 409  # long answered
+        status, answer = post_json(f"{url}/episodes/e1/step", {"action": str(secret)})  # no turn: turn 2
+        assert status == 200 and answer["done"] is True
+
+
+class Closes(NumberGuess):
+    closed: ClassVar[list] = []
+
+    def close(self) -> None:
+        Closes.closed.append(self.secret)
+
+
+def test_closing_an_episode_closes_its_environment_and_closing_it_again_is_no_error():
+    async def open_and_close_twice(url: str) -> None:
+        async with TaskApp(task_url=url + "/", **FAST) as app:  # a trailing slash is dropped
+            episode, _ = await app.open(3, "t")
+            await app.close(episode)
+            await app.close(episode)  # the app answers 404: already closed
+
+    with serve(make_app(Closes())) as url:
+        asyncio.run(open_and_close_twice(url))
+        assert open_episodes(url) == 0
+    assert Closes.closed == [__import__("random").Random(3).randint(1, 8)]
+
+
+def test_a_task_app_outside_async_with_refuses_to_call():
+    async def after_exit(app: TaskApp) -> None:
+        async with app:
+            pass
+        await app.open(3, "t")
+
+    with serve(make_app(NumberGuess())) as url, pytest.raises(RuntimeError, match="outside `async with`"):
+        asyncio.run(after_exit(TaskApp(task_url=url, **FAST)))
+
+
+def test_task_app_keeps_its_retry_settings_and_refuses_bad_ones():
+    app = TaskApp(task_url="https://h:1", timeout_s=2.0, attempts=None, backoff_s=0.1, max_backoff_s=3.0,
+                  retry_max_s=60.0)  # fmt: skip
+    assert app.retries == Retries(timeout_s=2.0, attempts=None, backoff_s=0.1, max_backoff_s=3.0, retry_max_s=60.0)
+    with pytest.raises(ValueError, match="task_url='ftp://h:1' must be an http:// or https:// URL"):
+        TaskApp(task_url="ftp://h:1")
+    with pytest.raises(ValueError, match="health_max_wait_s=0 must be > 0"):
+        TaskApp(task_url="http://h:1", health_max_wait_s=0)
+
+
+def test_load_env_builds_an_environment_and_refuses_anything_else():
+    env = load_env("gpo.envs.NumberGuess", {"high": 4})
+    assert isinstance(env, NumberGuess) and env.high == 4
+    with pytest.raises(TypeError, match=r"--env collections\.OrderedDict is not a gpo\.envs\.Environment"):
+        load_env("collections.OrderedDict", {})
+
+
 def test_500s_then_success_are_retried(model_and_tokenizer):
     clean = play(model_and_tokenizer, NumberGuess())
     faults = Faults(where="/episodes", fail_first=2)  # every create, step and close answers 500 twice first
@@ -124,6 +190,29 @@ def test_an_app_that_times_out_fails_after_its_retries(model_and_tokenizer):
         assert open_episodes(url) == 0
 
 
+def test_a_health_poll_that_hangs_is_given_up_after_timeout_s_and_polled_again():
+    asked, release = [], threading.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        while len(asked) == 1 and not release.is_set():  # the first poll hangs until a second one comes
+            await asyncio.sleep(0.02)
+        return web.json_response({"status": "ok"})
+
+    async def enter(url: str) -> None:
+        async with TaskApp(task_url=url, timeout_s=0.2, attempts=1, health_max_wait_s=3.0):
+            pass
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    with serve(app) as url:
+        try:
+            asyncio.run(enter(url))  # the first poll cut after 0.2 s, the second 0.5 s later answered
+        finally:
+            release.set()
+    assert len(asked) == 2
+
+
 def test_an_app_that_is_down_is_named_after_health_max_wait_s(model_and_tokenizer):
     assert inspect.signature(TaskApp).parameters["health_max_wait_s"].default <= 30
     url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
@@ -137,7 +226,12 @@ def test_an_app_that_is_down_is_named_after_health_max_wait_s(model_and_tokenize
 
 
 class PickyGuess(NumberGuess):
-    """Raises ValueError for an action it cannot use at all, as ``Environment.step`` documents."""
+    """Raises ValueError for a task or an action it cannot use at all, as ``Environment.reset`` and ``step`` say."""
+
+    def reset(self, seed: int, task: str) -> str:
+        if task == "refuse":
+            raise ValueError("this task means nothing here")
+        return super().reset(seed, task)
 
     def step(self, action: str) -> Step:
         if action == "refuse":
@@ -147,6 +241,8 @@ class PickyGuess(NumberGuess):
 
 def test_input_the_app_cannot_use_is_answered_4xx_never_500():
     with serve(make_app(PickyGuess(), max_body_bytes=20_000)) as url:
+        status, answer = post_json(f"{url}/episodes", {"seed": 3, "task": "refuse"})
+        assert status == 422 and "cannot use this task or seed" in answer["error"]
         assert post_json(f"{url}/episodes", {"seed": 3, "task": "t", "id": "e1"})[0] == 200
         status, answer = post_json(f"{url}/episodes/e1/step", {"action": "refuse", "turn": 0})
         assert status == 422 and "cannot use this action" in answer["error"]
@@ -155,6 +251,7 @@ def test_input_the_app_cannot_use_is_answered_4xx_never_500():
         assert post_json(f"{url}/episodes/e1/step", {"action": "1", "turn": 0})[0] == 200  # the episode goes on
         refused = {
             "not JSON": (b"{", 400),
+            "not a JSON object": (b'[3, "t"]', 400),
             "not UTF-8": (b'{"seed": 3, "task": "\xff"}', 400),
             "nested too deeply to decode": (b"[" * 5000 + b"]" * 5000, 400),
             "a number of 5,000 digits": (b'{"seed": ' + b"9" * 5000 + b', "task": "t"}', 400),
@@ -262,7 +359,6 @@ def test_python_m_task_app_takes_its_token_from_the_environment_and_bounds_bodie
 
 def answering(created: dict, stepped: dict):
     """An app out of protocol: healthy, answering every create with ``created`` and every step with ``stepped``."""
-    from aiohttp import web
 
     async def health(_):
         return web.json_response({"status": "ok", "episodes": 0})
