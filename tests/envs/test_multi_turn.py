@@ -346,6 +346,31 @@ def test_observations_enter_the_context_through_the_template_and_an_empty_one_no
     assert rollout.loss_mask[0].tolist() == [1, 0, 0, 0, 0, 0, 1]  # 1 + len("[ok\n]") = 5 + 1
 
 
+class AddsBos:
+    """The character tokenizer, putting a BOS token first unless asked not to add special tokens (as Llama's does)."""
+
+    def __init__(self):
+        self.inner = char_tokenizer()
+
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        encoded = self.inner(text, **kwargs)
+        if add_special_tokens:
+            encoded["input_ids"] = [self.inner.eos_token_id, *encoded["input_ids"]]
+        return encoded
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_observation_gets_no_bos_token_from_a_tokenizer_that_adds_one():
+    tok = char_tokenizer()
+    e = MultiTurnEngine(engine=Scripted([[tok("1").input_ids]] * 2), env=Echo(), max_turns=2)
+    e.setup(None, AddsBos())
+    rollout = e.generate([tok("p").input_ids], 1, seed=0)
+    observations, action = (tok("go\n").input_ids, tok("ok\n").input_ids), tok("1").input_ids  # reset's, step's
+    assert rollout.completion_ids[0].tolist() == observations[0] + action + observations[1] + action
+
+
 def test_an_episode_done_before_max_turns_ends_at_its_last_action_with_nan_rewards_after():
     tok = char_tokenizer()
 
