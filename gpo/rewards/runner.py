@@ -247,7 +247,7 @@ def _as_float(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError, RuntimeError):  # a tensor of several elements (ValueError), a meta tensor (Runtime)
+    except (TypeError, ValueError, RuntimeError):  # ValueError: a tensor of several elements; RuntimeError: a meta one
         return None
     return number if math.isfinite(number) else None
 

@@ -31,12 +31,11 @@ class Evaluation:
     its reward (or the score of ``pass_reward`` alone) is at least ``pass_threshold``. Logged: ``val/reward_greedy``,
     ``val/pass@1_greedy``, ``val/reward_sampled`` and ``val/pass@1_sampled`` (means over the sampled completions),
     ``val/pass@k`` (the fraction of prompts with at least one passing sample among its k), each averaged over the
-    seeds. With several
-    reward functions, each one's mean too: ``val/reward_greedy/<name>``, ``val/reward_sampled/<name>``. The reward
-    is the reward functions' weighted sum (``gpo.algo.mixers.weighted_sum``), as ``reward/mean`` in training is: a
-    mixer that normalises within groups (GDPO) would make it 0; a pass reads it too, unless ``pass_reward`` names the
-    one function that says whether a completion is right (a format bonus or a length penalty in the sum would move a
-    completion across ``pass_threshold``).
+    seeds. With several reward functions, each one's mean too: ``val/reward_greedy/<name>``,
+    ``val/reward_sampled/<name>``. The reward is the reward functions' weighted sum (``gpo.algo.mixers.weighted_sum``),
+    as ``reward/mean`` in training is: a mixer that normalises within groups (GDPO) would make it 0; a pass reads it
+    too, unless ``pass_reward`` names the one function that says whether a completion is right (a format bonus or a
+    length penalty in the sum would move a completion across ``pass_threshold``).
 
     Args:
         samples: sampled completions per prompt and seed (the k of pass@k).
