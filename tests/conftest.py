@@ -4,19 +4,19 @@ import torch
 # Tiny models run fastest on one thread, and two threads on two busy cores can be many times slower.
 torch.set_num_threads(1)
 
-#: The slowest test files, longest first (seconds of one worker on the 2-core machine: 230, 150, 120, 115, 110, 90,
-#: 65, 60). They run before all others, so that under `-n 2 --dist loadfile`, which hands out whole files in
-#: collection order (`--no-loadscope-reorder` in pyproject.toml), the two workers end within a small file of each
-#: other instead of one of them running a long file alone at the end.
+#: The slowest test files, longest first (seconds of one worker on the 2-core machine, summed over their tests, at
+#: 82c5f3e: 152, 124, 111, 81, 73, 57, 50, 44). They run before all others, so that under `-n 2 --dist loadfile`,
+#: which hands out whole files in collection order (`--no-loadscope-reorder` in pyproject.toml), the two workers end
+#: within a small file of each other instead of one of them running a long file alone at the end.
 SLOWEST_FIRST = (
-    "tests/train/test_presets_learn.py",
     "tests/parallel/test_ddp_fit.py",
     "tests/test_configs_learn.py",
-    "tests/test_configs.py",
     "tests/reliability/test_resume.py",
     "tests/models/test_smollm2.py",
-    "tests/test_quickstart_vllm.py",
+    "tests/train/test_presets_learn.py",
+    "tests/test_configs.py",
     "tests/rollout/test_vllm_server.py",
+    "tests/test_quickstart_vllm.py",
 )
 
 
