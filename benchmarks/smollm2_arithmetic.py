@@ -53,7 +53,6 @@ def build(policy: str | None, size: int, batch: int, threads: int, accelerator: 
     from gpo.train.module import GPOModule
 
     args = ["--config", str(CONFIG), "--trainer.logger=false", "--model.trainer_mode=full", "--model.kl.beta=0"]
-    args += [f"--trainer.accelerator={ACCELERATORS[accelerator]}"]  # unused but for its message: the policy is moved
     args += [f"--data.val_path.init_args.size={size}", f"--data.prompts_per_step={batch}"]
     args += [f"--model.policy={policy}"] if policy else []
     cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
