@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from typing_extensions import override
 
 from gpo.callbacks.settings import check_count
@@ -16,6 +19,17 @@ from gpo.callbacks.settings import check_count
 #: Seconds between two redraws at least (tqdm's own floor): each costs about 0.3 ms on a CPU (the metrics copied to the
 #: host, formatted and written), a few percent of a fast step, and no one reads ten redraws a second.
 REDRAW_INTERVAL_S = 0.1
+
+
+class AboveTheBars(logging.Handler):
+    """Writes log records on lines of their own above the progress bars, which tqdm clears and draws again below
+    them; Python's last-resort handler would write them after the bar's last redraw, on the bar's own line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            Tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging's contract: a failed write is reported, never raised
+            self.handleError(record)
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -31,7 +45,8 @@ class StepProgressBar(TQDMProgressBar):
     numbers. Needs nothing from the LightningModule.
 
     The count moves every step; the bar is redrawn (with its metrics) at most every ``REDRAW_INTERVAL_S`` seconds,
-    and at the last step.
+    and at the last step. While the bars are drawn, gpo's warnings (a server that stopped answering, a reward that
+    failed) are written on lines of their own above them, unless logging has been set up with handlers of its own.
 
     Args:
         refresh_rate: redraw the bar every this many batches at most (and at the last step).
@@ -41,6 +56,19 @@ class StepProgressBar(TQDMProgressBar):
         check_count("refresh_rate", refresh_rate, 1, "optimiser steps between redraws")
         super().__init__(refresh_rate=refresh_rate)
         self._redrawn_at = -math.inf  # time.monotonic() of the last redraw
+        self._above = AboveTheBars()
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        gpo_log = logging.getLogger("gpo")
+        if self.is_enabled and not gpo_log.hasHandlers():  # else Python's last resort is not what prints them
+            gpo_log.addHandler(self._above)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        logging.getLogger("gpo").removeHandler(self._above)
+        super().teardown(trainer, pl_module, stage)
 
     @override
     def on_train_start(self, trainer: L.Trainer, *_: Any) -> None:
@@ -80,6 +108,7 @@ class StepProgressBar(TQDMProgressBar):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """Close the bars still drawn and end their line: the error that stopped the run is printed on its own."""
+        logging.getLogger("gpo").removeHandler(self._above)  # Lightning calls no teardown after an error
         bars = (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar)
         drawn = [bar for bar in bars if bar is not None and not bar.disable]
         for bar in drawn:

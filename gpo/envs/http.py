@@ -9,6 +9,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any request of the reference protocols
+log = logging.getLogger(__name__)
 
 
 class ServiceError(RuntimeError):
@@ -88,6 +90,38 @@ class Retries:
                 return
             yield wait
 
+    def bound(self, prefix: str = "") -> str:
+        """How long a failing request is retried, its settings named with ``prefix``: 'up to attempts=3 tries',
+        'up to model.engine.init_args.retry_max_s=60 s'."""
+        bounds = [f"{prefix}attempts={self.attempts} tries"] if self.attempts is not None else []
+        bounds += [f"{prefix}retry_max_s={self.retry_max_s:g} s"] if self.retry_max_s is not None else []
+        return "up to " + " or ".join(bounds)
+
+
+class Outages:
+    """Puts on the log when a service stops answering and when it answers again, once each per outage, so that a
+    step waiting out a service's retries (up to minutes) does not look hung.
+
+    One per client, shared by its concurrent requests: the first request to fail opens the service's outage, the
+    first to succeed afterwards closes it. Only single dict operations (atomic in CPython), so no lock: a client
+    holding one stays picklable."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, tuple[float]] = {}  # service -> (when its outage began,)
+
+    def failing(self, service: str, problem: str, retries: str) -> None:
+        """A request to ``service`` failed (``problem``) and is retried (``retries``: for how long)."""
+        mark = (time.monotonic(),)  # a new tuple: the request that placed it is the one that opened the outage
+        if self._since.setdefault(service, mark) is mark:
+            log.warning("%s stopped answering (%s); retrying %s, and training waits meanwhile.", service, problem,
+                        retries)  # fmt: skip
+
+    def answered(self, service: str) -> None:
+        """A request to ``service`` succeeded: the end of its outage, if it had one."""
+        since = self._since.pop(service, None) if self._since else None
+        if since is not None:
+            log.warning("%s answers again, after %.1f s.", service, time.monotonic() - since[0])
+
 
 def token_from(setting: str | None, env_var: str) -> str | None:
     """The shared secret to send: ``setting`` when given, else the environment variable ``env_var``; None (or an
@@ -109,12 +143,14 @@ async def request_json(
     *,
     retries: Retries,
     describe: str,
+    outages: Outages,
     ok_status: frozenset[int] = frozenset(),
     hints: Mapping[int, str] | None = None,
 ) -> Any:
     """``method url`` with JSON ``payload``; returns the decoded JSON answer (None for an empty one, or for a status
     in ``ok_status``). Raises ``ServiceError`` starting with ``describe`` (which service, at which URL, what to
-    check) and saying what the last try got; ``hints`` adds what to check after a refusal with that status."""
+    check) and saying what the last try got; ``hints`` adds what to check after a refusal with that status. A try
+    that fails and will be retried opens the service's outage in ``outages``, an answer closes it (both logged)."""
     waits, started = retries.waits(), time.monotonic()
     for tries in itertools.count(1):
         try:
@@ -126,6 +162,8 @@ async def request_json(
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             last = f"connection failed ({type(exc).__name__}: {exc})"
         else:
+            if status in ok_status or not retried_status(status):  # an answer: the service is up
+                outages.answered(describe)
             if status in ok_status:
                 return None
             if status < 400:
@@ -142,6 +180,7 @@ async def request_json(
                 f"{describe}: {method} {url} failed after {tries} attempt(s) in {time.monotonic() - started:.1f} s; "
                 f"the last: {last}. To ride out a longer outage, raise attempts or set retry_max_s."
             )
+        outages.failing(describe, f"{method} {url}: {last}", retries.bound())
         await asyncio.sleep(wait)
 
 

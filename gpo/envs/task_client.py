@@ -8,6 +8,7 @@ import aiohttp
 
 from gpo.envs.base import Episodes, Step
 from gpo.envs.http import (
+    Outages,
     Retries,
     ServiceError,
     bearer,
@@ -87,6 +88,7 @@ class TaskApp(Episodes):
         self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
                                retry_max_s=retry_max_s)  # fmt: skip
         self.health_max_wait_s = health_max_wait_s
+        self.outages = Outages()
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> TaskApp:
@@ -128,7 +130,8 @@ class TaskApp(Episodes):
         try:
             answer = await request_json(
                 self._session, method, self.task_url + path, payload,
-                retries=self.retries, describe=self._describe, ok_status=ok_status, hints=HINTS,
+                retries=self.retries, describe=self._describe, outages=self.outages, ok_status=ok_status,
+                hints=HINTS,
             )  # fmt: skip
         except ServiceError as exc:
             raise TaskAppError(str(exc)) from exc

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import aiohttp
 
 from gpo.envs.http import (
+    Outages,
     Retries,
     ServiceError,
     bearer,
@@ -92,6 +93,7 @@ class JudgeReward(ServedReward):
         self.token = token_from(token, TOKEN_ENV)
         self.retries = Retries(timeout_s=timeout_s, attempts=attempts, backoff_s=backoff_s, retry_max_s=retry_max_s)
         self.health_max_wait_s = health_max_wait_s
+        self.outages = Outages()
         self.name = f"judge_{kind}"
 
     def wait_ready(self) -> None:
@@ -146,7 +148,7 @@ class JudgeReward(ServedReward):
                 async with limit:
                     answer = await request_json(
                         session, "POST", f"{self.judge_url}/score", request,
-                        retries=self.retries, describe=describe, hints=HINTS,
+                        retries=self.retries, describe=describe, outages=self.outages, hints=HINTS,
                     )  # fmt: skip
                 if protocol_problem(answer, SCORED) is not None:
                     raise JudgeError(f"{describe}: POST /score answered {answer!r:.200}; expected {{'score': number}}.")

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from functools import partial
 from typing import Any, TypeVar
 
-from gpo.envs.http import Retries, ServiceError, bearer, retried_status, token_from
+from gpo.envs.http import Outages, Retries, ServiceError, bearer, retried_status, token_from
 
 API_KEY_ENV = "VLLM_API_KEY"  # also the variable vLLM's server reads for its own --api-key
 DEV_ROUTES = ("/collective_rpc", "/reset_prefix_cache")
@@ -82,6 +82,7 @@ class VLLMServers:
         self.retries = Retries(
             timeout_s=request_timeout_s, attempts=None, backoff_s=retry_backoff_s, retry_max_s=retry_max_s
         )
+        self.outages = Outages()
 
     def spread(self, count: int) -> list[str]:
         """The server of each of ``count`` requests: request ``i`` goes to server ``i mod S``, so the work is spread
@@ -192,10 +193,13 @@ class VLLMServers:
         for tries in itertools.count(1):
             try:
                 with urllib.request.urlopen(request, timeout=self.retries.timeout_s) as response:
-                    return _decoded(response.read(), url, path)
+                    answer = response.read()
+                self.outages.answered(f"vLLM server {url}")
+                return _decoded(answer, url, path)
             except urllib.error.HTTPError as error:
                 detail = _error_detail(error)
                 if not retried_status(error.code):
+                    self.outages.answered(f"vLLM server {url}")
                     raise VLLMServerError(self._refused(url, path, error.code, detail, body)) from error
                 problem = f"HTTP {error.code}: {detail}"
             except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
@@ -205,6 +209,7 @@ class VLLMServers:
             wait = next(waits, None)
             if wait is None:
                 raise VLLMServerError(self._gave_up(url, path, first, problem, tries, time.monotonic() - failing_since))
+            self.outages.failing(f"vLLM server {url}", f"POST {path}: {problem}", self.retries.bound(f"{self.where}."))
             time.sleep(wait)
 
     def _gave_up(self, url: str, path: str, first: str, last: str, tries: int, seconds: float) -> str:

@@ -1,5 +1,8 @@
 """StepProgressBar: optimiser steps out of trainer.max_steps, over epochs, with several steps per batch and resumed."""
 
+import io
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -153,6 +156,32 @@ def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, caps
         trainer.fit(FailsAtBatch3())
     out = capsys.readouterr().out
     assert "step" in out and out.endswith("\n") and not out.endswith("\n\n"), repr(out[-200:])
+
+
+class WarnsAtBatch3(TwoStepsPerBatch):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3:
+            logging.getLogger("gpo.rollout.test").warning("vLLM server X stopped answering")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_warning_during_the_run_gets_a_line_of_its_own_above_the_bar(tmp_path, monkeypatch):
+    """Bar and warning on one terminal (one stream here): the bar's line is cleared before the warning, which ends its
+    line, and the bar is drawn again below it; the handler is gone after the run. Python's last resort (no handler)
+    wrote the warning right after the bar's last redraw, on the bar's line."""
+    screen = io.StringIO()
+    monkeypatch.setattr(logging.root, "handlers", [])  # as outside pytest, whose capture handlers sit there
+    monkeypatch.setattr("sys.stdout", screen)
+    monkeypatch.setattr("sys.stderr", screen)
+    monkeypatch.setattr(gpo.callbacks.step_progress, "REDRAW_INTERVAL_S", 0.0)
+    trainer = L.Trainer(max_steps=20, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(WarnsAtBatch3())
+    text = screen.getvalue()
+    before, after = text.split("vLLM server X stopped answering", 1)
+    assert before.endswith("\r") and before.rstrip("\r").endswith(" "), repr(before[-120:])  # the bar's line cleared
+    assert after.startswith("\n") and "step" in after  # the bar again, below
+    assert not logging.getLogger("gpo").handlers
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ health wait, and the warning of a server that listens beyond loopback without a 
 import argparse
 import asyncio
 import itertools
+import re
 import time
 
 import aiohttp
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from gpo.envs import http
 from gpo.envs.http import (
+    Outages,
     Retries,
     ServiceError,
     bearer,
@@ -157,10 +159,12 @@ def answers_app(asked: list) -> web.Application:
     return app
 
 
-def call(url: str, retries: Retries):
+def call(url: str, retries: Retries, outages: Outages | None = None):
     async def run():
         async with aiohttp.ClientSession() as session:
-            return await request_json(session, "POST", url, {}, retries=retries, describe="svc")
+            return await request_json(
+                session, "POST", url, {}, retries=retries, describe="svc", outages=outages or Outages()
+            )
 
     return asyncio.run(run())
 
@@ -182,3 +186,63 @@ def test_a_connection_refused_is_retried_then_reported():
     url = f"http://127.0.0.1:{free_port()}/x"  # nobody listens
     with pytest.raises(ServiceError, match=r"failed after 2 attempt\(s\).*the last: connection failed"):
         call(url, Retries(attempts=2, backoff_s=0.01))
+
+
+def test_the_retry_bound_is_said_with_the_settings_that_set_it():
+    assert Retries(attempts=3).bound() == "up to attempts=3 tries"
+    assert Retries(attempts=None, retry_max_s=60).bound("model.engine.init_args.") == (
+        "up to model.engine.init_args.retry_max_s=60 s"
+    )
+    assert Retries(attempts=5, retry_max_s=120.5).bound() == "up to attempts=5 tries or retry_max_s=120.5 s"
+
+
+def outage_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "gpo.envs.http"]
+
+
+def test_an_outage_is_logged_once_when_it_begins_and_once_when_it_ends(caplog):
+    """Three concurrent requests whose first tries all get 503: one warning that the service stopped answering, one
+    that it answers again (not one per request); a refusal and a plain answer log nothing."""
+    tries = itertools.count()
+
+    async def flaky(request: web.Request) -> web.Response:
+        busy = next(tries) < 3
+        return web.Response(status=503 if busy else 200, text='{"error": "busy"}' if busy else '{"ok": 1}')
+
+    app = web.Application()
+    app.router.add_post("/flaky", flaky)
+    outages, retries = Outages(), Retries(attempts=4, backoff_s=0.05)
+
+    async def three(url: str) -> list:
+        async with aiohttp.ClientSession() as session:
+            asks = [request_json(session, "POST", url, {}, retries=retries, describe="svc at U", outages=outages)
+                    for _ in range(3)]  # fmt: skip
+            return await asyncio.gather(*asks)
+
+    caplog.set_level("WARNING", logger="gpo.envs.http")
+    with serve(app) as url:
+        assert asyncio.run(three(f"{url}/flaky")) == [{"ok": 1}] * 3
+        began, ended = outage_messages(caplog)
+        assert began.startswith(f"svc at U stopped answering (POST {url}/flaky: HTTP 503: ")
+        assert began.endswith("retrying up to attempts=4 tries, and training waits meanwhile.")
+        assert re.fullmatch(r"svc at U answers again, after 0\.\d s\.", ended)
+        asyncio.run(three(f"{url}/flaky"))  # answered at once: no outage
+    asked = []
+    with serve(answers_app(asked)) as url, pytest.raises(ServiceError):
+        call(f"{url}/bad", Retries(attempts=3), outages)
+    assert len(outage_messages(caplog)) == 2
+
+
+def test_a_refusal_ends_an_outage_too(caplog):
+    """A 4xx is an answer: the service is up again, although this request is refused."""
+    asked, outages = [], Outages()
+    caplog.set_level("WARNING", logger="gpo.envs.http")
+    with serve(answers_app(asked)) as url:
+        with pytest.raises(ServiceError, match="failed after 2 attempt"):
+            call(f"{url}/busy", Retries(attempts=2, backoff_s=0.01), outages)
+        with pytest.raises(ServiceError, match="refused"):
+            call(f"{url}/bad", Retries(attempts=2), outages)
+    assert [m.split(" (")[0].split(",")[0] for m in outage_messages(caplog)] == [
+        "svc stopped answering",
+        "svc answers again",
+    ]

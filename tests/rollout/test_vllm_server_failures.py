@@ -75,7 +75,9 @@ def test_a_dead_server_fails_its_queued_requests_at_once():
     assert time.monotonic() - started < 5.0  # seven queued requests, one retry window (1 s), not seven
 
 
-def test_a_server_back_within_retry_max_s_lets_the_run_go_on():
+def test_a_server_back_within_retry_max_s_lets_the_run_go_on(caplog):
+    """... and says on the log when it stopped answering and when it answers again (not once per request)."""
+    caplog.set_level("WARNING", logger="gpo.envs.http")
     port = free_port()
     with stand_in_process(port) as (url, _):
         engine = ready(VLLMServerEngine(base_url=url, retry_max_s=30.0, retry_backoff_s=0.1))
@@ -95,6 +97,12 @@ def test_a_server_back_within_retry_max_s_lets_the_run_go_on():
         done.set()
         thread.join(60)
     assert torch.equal(after.completion_ids, before.completion_ids)
+    said = [r.getMessage() for r in caplog.records if r.name == "gpo.envs.http"]
+    began = [m for m in said if "stopped answering" in m]
+    assert said[0] == began[0] and "answers again, after " in said[-1]
+    assert began[0].startswith(f"vLLM server {url} stopped answering (POST /v1/completions: ConnectionRefusedError")
+    assert "retrying up to model.engine.init_args.retry_max_s=30 s" in began[0]
+    assert len(began) < len(PROMPTS)  # the seven requests share one outage (a thread descheduled may open another)
 
 
 def test_5xx_is_retried_and_4xx_is_not():
