@@ -28,7 +28,9 @@ class ResumeCheckpoint(ModelCheckpoint):
     """Keeps ``<dirpath>/last.ckpt`` current, so a run can always be resumed.
 
     Writes ``<dirpath>/last.ckpt`` every ``every_n_train_steps`` optimiser steps, after the last step, and when the
-    process receives SIGTERM; ``--ckpt_path last`` then continues the run exactly (see docs/reliability.md).
+    process receives SIGTERM; ``--ckpt_path last`` then continues the run exactly (see docs/reliability.md). When an
+    evaluation follows the step, the checkpoint is written after it: a crash during the evaluation resumes from the
+    checkpoint before, and the step is evaluated again.
 
     On SIGTERM the current training step finishes, the checkpoint is written, and the run stops by raising
     Lightning's ``SIGTERMException`` with exit code 143; without this callback a single-process Lightning run
@@ -73,6 +75,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         self._sigterm_seen = False  # this process received SIGTERM (runs of several processes: on_train_start)
         self._sigint_seen = False  # this process received Ctrl-C (SIGINT) while training
         self._sigint_before: signal.Handlers | Callable | None = None  # the SIGINT handler to put back
+        self._save_after_evaluation = False  # a checkpoint is due at the end of the evaluation under way
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -98,6 +101,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         collective, and its loops stop the signalled rank alone: either way the run hangs (Lightning issue
         #20806)."""
         self._sigterm_seen = self._sigint_seen = False  # a callback fitted again starts afresh
+        self._save_after_evaluation = False
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers belong to the main thread
         if trainer.world_size > 1:
@@ -183,13 +187,23 @@ class ResumeCheckpoint(ModelCheckpoint):
         due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
         last = 0 < trainer.max_steps <= trainer.global_step
         sigterm, sigint = self._stop_requested(trainer)
-        if due or last or sigterm or sigint:
+        if sigterm or sigint or ((due or last) and not evaluation_follows(trainer)):
             self._save_now(trainer)
+        else:  # due: saved at the evaluation's end (a crash in it resumes from the checkpoint before, and evaluates)
+            self._save_after_evaluation = due or last
         if sigterm or sigint:
             signal_name = "SIGTERM" if sigterm else "Ctrl-C"
             rank_zero_info(f"{signal_name}: stopped after step {trainer.global_step}; resume from "
                            f"{self.last_model_path}")  # fmt: skip
             raise SIGTERMException(SIGTERM_EXIT_CODE) if sigterm else KeyboardInterrupt
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The checkpoint of a step whose evaluation follows it is written once that evaluation has ended: a
+        checkpoint written before would resume after the evaluation, whose ``val/*`` row a crash had cut short."""
+        if self._save_after_evaluation:
+            self._save_now(trainer)
+            self._save_after_evaluation = False
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -216,3 +230,10 @@ class ResumeCheckpoint(ModelCheckpoint):
             if self.save_top_k != 0:
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+
+def evaluation_follows(trainer: Trainer) -> bool:
+    """Whether Lightning evaluates right after the training batch that just ended (``trainer.val_check_interval``,
+    the epoch's end, early stopping): its own test, read at ``on_train_batch_end``."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return trainer.enable_validation and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)

@@ -252,3 +252,40 @@ def test_save_top_k_keeps_the_latest_step_numbered_checkpoints_beside_last(tmp_p
     assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["last.ckpt", *(f"step{n:06d}.ckpt" for n in kept)]
     with pytest.raises(ValueError, match=r"save_top_k=-2 must be an int >= -1 \(-1 keeps all, 0 last.ckpt alone, K"):
         ResumeCheckpoint(save_top_k=-2)
+
+
+class Evaluated(Linear):
+    """Evaluates every 2 steps (one batch), recording the steps evaluated; the evaluation at ``crash_at`` fails."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        super().__init__()
+        self.crash_at, self.evaluated = crash_at, []
+
+    def validation_step(self, batch, batch_idx):
+        if self.global_step == self.crash_at:
+            raise RuntimeError("the evaluation crashed")
+        self.evaluated.append(self.global_step)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(1, 2), batch_size=1)
+
+
+def test_an_evaluation_cut_short_by_a_crash_is_run_again_by_the_resumed_run(tmp_path):
+    """The checkpoint of a step whose evaluation follows is written after it: a crash during the evaluation at step 4
+    resumes from step 2, whose replay evaluates step 4 again. Written before the evaluation (as Lightning's
+    on_train_batch_end save does), it resumed after it, and the run never had its step-4 evaluation."""
+
+    def fit(module, ckpt_path=None):
+        trainer = L.Trainer(max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                            callbacks=[ResumeCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module.evaluated
+
+    crashed = Evaluated(crash_at=4)
+    with pytest.raises(RuntimeError, match="the evaluation crashed"):
+        fit(crashed)
+    assert crashed.evaluated == [2]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert fit(Evaluated(), ckpt_path="last") == [4, 6]  # step 2's evaluation is not run twice
+    assert fit(Evaluated(), ckpt_path="last") == []  # resumed at the end, after the last evaluation: nothing to redo
