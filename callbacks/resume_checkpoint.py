@@ -187,10 +187,10 @@ class ResumeCheckpoint(ModelCheckpoint):
         due = trainer.global_step - self._last_global_step_saved >= self._every_n_train_steps
         last = 0 < trainer.max_steps <= trainer.global_step
         sigterm, sigint = self._stop_requested(trainer)
-        if sigterm or sigint or ((due or last) and not evaluation_follows(trainer)):
+        # Due before an evaluation: saved at its end (a crash in it resumes from the checkpoint before, and evaluates)
+        self._save_after_evaluation = (due or last) and not (sigterm or sigint) and evaluation_follows(trainer)
+        if (due or last or sigterm or sigint) and not self._save_after_evaluation:
             self._save_now(trainer)
-        else:  # due: saved at the evaluation's end (a crash in it resumes from the checkpoint before, and evaluates)
-            self._save_after_evaluation = due or last
         if sigterm or sigint:
             signal_name = "SIGTERM" if sigterm else "Ctrl-C"
             rank_zero_info(f"{signal_name}: stopped after step {trainer.global_step}; resume from "
