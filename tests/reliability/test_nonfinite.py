@@ -14,6 +14,7 @@ from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
 from gpo.train.module import GPOModule
+from gpo.train.nonfinite import NonfiniteGuard
 from gpo.train.optimization import Optimization
 
 
@@ -122,3 +123,44 @@ def test_too_many_nonfinite_updates_in_a_row_stop_the_run_with_the_fix(workspace
 def test_the_streak_resets_after_a_good_update(workspace):
     module, snap = fit(workspace, 3, {0, 1, 3, 4}, "loss", max_consecutive_nonfinite=3)  # never 3 in a row
     assert module.trainer.global_step == 3 and len(snap.weights) == 7
+
+
+def four_layers(bad_gradients: int) -> torch.nn.Module:
+    """Four one-weight layers (``0.weight`` ... ``3.weight``); the first ``bad_gradients`` hold a gradient with one
+    NaN among finite values, the others a finite one."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 1, bias=False) for _ in range(4)))
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.tensor([[1.0, float("nan") if i < bad_gradients else 2.0]])
+    return model
+
+
+def test_the_warning_names_each_input_with_a_non_finite_value_and_the_first_three_bad_gradients(caplog):
+    """One non-finite value is enough to name an input or a parameter; integer inputs (a mask) are never named."""
+    inputs = {
+        "advantages": torch.tensor([1.0, float("nan")]),
+        "old_logp": torch.tensor([0.0, 0.0]),
+        "logp": torch.tensor([float("-inf"), -1.0]),
+        "mask": torch.tensor([1, 0]),
+    }
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        assert not NonfiniteGuard(3).finite(float("nan"), float("nan"), four_layers(4), 7, inputs)
+    assert caplog.records[-1].getMessage() == (
+        "optimiser step 7: loss=nan (non-finite inputs: advantages, logp) (non-finite gradients in 0.weight, 1.weight, "
+        "2.weight, ...); update skipped, weights unchanged (1 in a row)"
+    )
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        NonfiniteGuard(3).finite(1.0, float("inf"), four_layers(3), 8, {})
+    assert caplog.records[-1].getMessage() == (
+        "optimiser step 8: gradient norm=inf (non-finite gradients in 0.weight, 1.weight, 2.weight); update skipped, "
+        "weights unchanged (1 in a row)"
+    )
+
+
+def test_a_non_finite_loss_skips_the_update_even_when_the_gradient_norm_is_finite(caplog):
+    """An infinite loss whose gradients are finite (a constant term gone to inf) still skips, and names the loss."""
+    guard = NonfiniteGuard(3)
+    with caplog.at_level(logging.WARNING, logger="gpo"):
+        assert not guard.finite(float("inf"), 0.5, four_layers(0), 9, {"advantages": torch.tensor([1.0])})
+    message = caplog.records[-1].getMessage()
+    assert message == "optimiser step 9: loss=inf; update skipped, weights unchanged (1 in a row)"
+    assert guard.finite(2.0, 0.5, four_layers(0), 10, {}) and guard.streak == 0

@@ -8,9 +8,11 @@ import time
 
 import pytest
 import torch
+from aiohttp import web
 
 from gpo.models.teacher import ServerTeacher
 from gpo.rollout import Sampling
+from gpo.rollout.vllm_client import VLLMServers
 from gpo.rollout.vllm_server import WEIGHTS_FILE, VLLMServerEngine, VLLMServerError
 from gpo.testing import char_tokenizer
 from tests.envs.servers import Faults, serve, with_faults
@@ -172,3 +174,96 @@ def test_a_served_teacher_names_its_own_settings_in_errors():
         ServerTeacher(base_url="h:1")
     with pytest.raises(ValueError, match=r"model.teacher.init_args.request_timeout_s=0 must be > 0"):
         ServerTeacher(request_timeout_s=0)
+
+
+def servers(base_url, **settings) -> VLLMServers:
+    """``VLLMServers`` as a served teacher's settings make it, quick to give up."""
+    return VLLMServers(base_url, **{"where": "model.teacher.init_args", "api_key": None, "health_max_wait_s": 1.0,
+                                    "health_interval_ms": 100, "request_timeout_s": 5.0, "retry_max_s": 0.0,
+                                    "retry_backoff_s": 0.0, "max_concurrent_requests": 2, **settings})  # fmt: skip
+
+
+def prompt_scorer(seen: list[dict]) -> web.Application:
+    """A server whose ``prompt_logprobs`` answer gives token ``t`` at position ``i`` the log-prob ``-(t + i / 10)``
+    (None at the first position, as vLLM's); it records every request body."""
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        entries = [None] + [{str(t): {"logprob": -(t + i / 10)}} for i, t in enumerate(body["prompt"]) if i > 0]
+        return web.json_response({"choices": [{"prompt_logprobs": entries}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def test_prompt_logprobs_score_each_token_after_the_first_at_temperature_1_on_the_servers_in_turn():
+    seen_a, seen_b = [], []
+    with serve(prompt_scorer(seen_a)) as a, serve(prompt_scorer(seen_b)) as b:
+        got = servers([a, b]).prompt_logprobs([[5, 6, 7], [8, 9], [4, 3]])
+    assert got == [[-6.1, -7.2], [-9.1], [-3.1]]
+    assert sorted(body["prompt"] for body in seen_a) == [[4, 3], [5, 6, 7]]  # sequences 0 and 2
+    assert [body["prompt"] for body in seen_b] == [[8, 9]]  # sequence 1
+    assert all((body["temperature"], body["prompt_logprobs"], body["max_tokens"]) == (1.0, 0, 1) for body in seen_a)
+
+
+@pytest.mark.parametrize(
+    ("status", "path", "hint"),
+    [
+        (403, "/v1/completions", "as model.teacher.init_args.api_key or the environment variable VLLM_API_KEY."),
+        (404, "/collective_rpc", "Start the server with VLLM_SERVER_DEV_MODE=1 in its environment for this route."),
+        (404, "/v1/completions", "a vLLM OpenAI-compatible server (the address in model.teacher.init_args.base_url)?"),
+    ],
+)
+def test_a_refusal_is_not_retried_and_says_what_to_change(status, path, hint):
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=status, text="no")
+
+    app = web.Application()
+    app.router.add_post(path, refuse)
+    faults = Faults()
+    with serve(with_faults(app, faults)) as url:
+        with pytest.raises(VLLMServerError) as error:
+            servers(url, retry_max_s=5.0).post(url, path, {"prompt": [1], "max_tokens": 1})
+        assert faults.count("POST", path) == 1
+    assert str(error.value).startswith(f"vLLM server {url} refused POST {path} with HTTP {status} (not retried): no.")
+    assert str(error.value).endswith(hint)
+
+
+def test_each_server_gets_at_most_max_concurrent_requests_at_once():
+    faults = Faults(delay_s=0.1)  # each answer waits, so the requests sent at once overlap
+    with serve(with_faults(prompt_scorer([]), faults)) as url:
+        servers(url, max_concurrent_requests=2).prompt_logprobs([[5, 6]] * 6)
+    assert faults.max_in_flight == 2
+
+
+def test_an_empty_answer_reads_as_an_empty_object():
+    """A route that answers 200 with no body at all (not even ``{}``) is a success with nothing in it."""
+
+    async def empty(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/reset_prefix_cache", empty)
+    with serve(app) as url:
+        assert servers(url).post(url, "/reset_prefix_cache", {}) == {}
+
+
+def test_a_429_is_retried_like_a_5xx():
+    """A server that is rate limiting (429) asks to come back later: the request is tried again, not refused."""
+    tries = []
+
+    async def busy_once(request: web.Request) -> web.Response:
+        tries.append(request.path)
+        return web.Response(status=429, text="slow down") if len(tries) == 1 else web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", busy_once)
+    with serve(app) as url:
+        assert servers(url, retry_max_s=5.0, retry_backoff_s=0.01).post(url, "/v1/completions", {}) == {"ok": True}
+    assert len(tries) == 2
+
+
+def test_an_https_address_is_taken_as_a_server():
+    assert servers(["https://h:1/", "http://h:2"]).urls == ["https://h:1", "http://h:2"]

@@ -127,6 +127,49 @@ def test_optimization_settings_are_validated():
         Optimization(lr=0)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # warm-up 1/3, 2/3 over steps 0, 1; then the decay over steps 2..6 (total 6), and 0 past the end
+        ("constant", [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [1 / 3, 2 / 3, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]),
+        # 0.5 (1 + cos(pi p)) at p = 0, 1/4, 1/2, 3/4, 1: 1, (2 + sqrt 2) / 4, 1/2, (2 - sqrt 2) / 4, 0
+        ("cosine", [1 / 3, 2 / 3, 1.0, (2 + 2**0.5) / 4, 0.5, (2 - 2**0.5) / 4, 0.0, 0.0]),
+    ],
+)
+def test_the_learning_rate_warms_up_linearly_then_decays_to_0_at_max_steps(schedule, expected):
+    optim = Optimization(lr=0.1, lr_schedule=schedule, warmup_steps=2)
+    assert [optim.lr_factor(step, 6) for step in range(8)] == pytest.approx(expected, abs=1e-12)
+    optimizer, _ = optim.build([torch.nn.Parameter(torch.zeros(1))], 6)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 3)  # the first step already warms up
+
+
+@pytest.mark.parametrize("total_steps", [None, 2])
+def test_a_decaying_schedule_without_steps_after_the_warm_up_is_refused_when_the_optimiser_is_built(total_steps):
+    optim = Optimization(lr_schedule="linear", warmup_steps=2)
+    with pytest.raises(ValueError, match=r"set trainer\.max_steps above model\.optim\.warmup_steps=2"):
+        optim.build([torch.nn.Parameter(torch.zeros(1))], total_steps)
+    Optimization(lr_schedule="linear", warmup_steps=2).build([torch.nn.Parameter(torch.zeros(1))], 3)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"lr": -1e-6}, "lr=-1e-06 must be > 0"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm=0.0 must be > 0"),
+        ({"ppo_epochs": 0}, "ppo_epochs=0 must be >= 1"),
+        ({"micro_batch_size": 0}, "micro_batch_size=0 must be >= 1"),
+        ({"lr_schedule": "step"}, "lr_schedule='step' is not valid; choose constant, linear or cosine"),
+        ({"warmup_steps": -1}, "warmup_steps=-1 must be >= 0"),
+        ({"max_consecutive_nonfinite": 0}, "max_consecutive_nonfinite=0 must be >= 1"),
+    ],
+)
+def test_each_optimization_setting_out_of_bounds_is_refused_under_its_own_key(setting, message):
+    with pytest.raises(ValueError, match=rf"^model\.optim\.{re.escape(message)}"):
+        Optimization(**setting)
+
+
 def test_the_optimiser_is_fused_adamw_with_the_reference_update():
     """Three steps of ``Optimization.build``'s optimiser equal torch's reference (per-parameter) AdamW in float64,
     weight decay and the learning-rate schedule's warm-up included."""
