@@ -123,3 +123,79 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such_not_as_damaged_or_unsafe(
         (tmp_path / "last.ckpt").write_bytes(cut)
         with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*\(legacy\.ckpt, notes\.ckpt\)"):
             load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)
+
+
+def test_a_save_syncs_the_file_then_the_folder_entry_to_disk(tmp_path, monkeypatch):
+    """Without both fsyncs a power cut after the rename can leave an empty or missing file at the path."""
+    import stat
+
+    synced = []
+
+    def fsync(descriptor):
+        synced.append("folder" if stat.S_ISDIR(os.fstat(descriptor).st_mode) else "file")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_torch_save({"step": 1}, tmp_path / "last.ckpt")
+    assert synced == ["file", "folder"]
+
+
+class Interrupted:
+    def __reduce__(self):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_during_a_save_removes_the_partial_file_and_stays_an_interrupt(tmp_path):
+    atomic_torch_save({"step": 1}, tmp_path / "last.ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        atomic_torch_save({"step": 2, "bad": Interrupted()}, tmp_path / "last.ckpt")
+    assert [path.name for path in tmp_path.iterdir()] == ["last.ckpt"]
+    assert load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True) == {"step": 1}
+
+
+def test_a_missing_checkpoint_and_one_that_cannot_be_read_are_not_called_damaged(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*last\.ckpt does not exist\."):
+        load_checkpoint_file(tmp_path / "last.ckpt")
+    atomic_torch_save({"step": 1}, tmp_path / "last.ckpt")
+
+    def denied(*args, **kwargs):
+        raise PermissionError("permission denied")
+
+    monkeypatch.setattr(torch, "load", denied)
+    with pytest.raises(PermissionError, match="permission denied"):
+        load_checkpoint_file(tmp_path / "last.ckpt")
+
+
+def test_lightnings_checkpoint_io_writes_local_files_atomically_and_refuses_damaged_ones(tmp_path, monkeypatch):
+    from gpo.train import checkpointing
+
+    io = checkpointing.AtomicCheckpointIO()
+    written = []
+    monkeypatch.setattr(checkpointing, "atomic_torch_save", lambda obj, path: written.append(path))
+    io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert written == [tmp_path / "last.ckpt"]
+    (tmp_path / "last.ckpt").write_bytes(b"PK")
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_storage_options_and_remote_paths_go_to_lightnings_writer(tmp_path, monkeypatch):
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from gpo.train import checkpointing
+
+    handed = []
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", lambda self, ckpt, path, _=None: handed.append(path))
+    io = checkpointing.AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt", storage_options={"acl": "private"})
+    io.save_checkpoint({"step": 1}, "s3://bucket/last.ckpt")
+    assert handed == [tmp_path / "last.ckpt", "s3://bucket/last.ckpt"] and not list(tmp_path.iterdir())
+
+
+class Opaque:
+    """An object torch.load(weights_only=True) will not build: loading it could run code."""
+
+
+def test_a_checkpoint_holding_other_pickled_objects_is_refused_as_unsafe_not_as_damaged(tmp_path):
+    torch.save({"step": 1, "extra": Opaque()}, tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"last\.ckpt holds pickled objects other than tensors and plain values"):
+        load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)

@@ -1,20 +1,43 @@
 """One live run per checkpoint folder: a second run stops at once, a stale lock (and the partial file a killed write
 left) is cleaned up, a fresh run refuses a folder holding an earlier run's last.ckpt unless it resumes it, and a
-resume under another model or algorithm is refused naming the difference."""
+resume under another model or algorithm is refused naming the difference; what a checkpoint keeps of the run besides
+its weights (generators, each rank's draws, the settings a resume compares); an evaluation cut short by a crash is
+run again."""
 
 import json
+import os
+import random
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
 from gpo.algo import AdvantageEstimator, Custom
+from gpo.algo.state import PartState
 from gpo.callbacks import ResumeCheckpoint
+from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
-from gpo.train.run_state import check_same_run
+from gpo.train.run_state import (
+    capture_random_state,
+    changed_keys,
+    check_same_run,
+    check_same_weights,
+    describe,
+    describe_run,
+    describe_settings,
+    described_differences,
+    load_part_states,
+    part_states,
+    restore_random_state,
+    restored_run_state,
+    run_state,
+    warn_changed_settings,
+)
 from tests.tiny import prompts, quiet_trainer, tiny_module
 
 
@@ -289,3 +312,159 @@ def test_an_evaluation_cut_short_by_a_crash_is_run_again_by_the_resumed_run(tmp_
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
     assert fit(Evaluated(), ckpt_path="last") == [4, 6]  # step 2's evaluation is not run twice
     assert fit(Evaluated(), ckpt_path="last") == []  # resumed at the end, after the last evaluation: nothing to redo
+
+
+# ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("owner", "why"),
+    [
+        ({"pid": 0, "host": socket.gethostname()}, "no process has id 0"),
+        ("half a claim {", "a claim cut off while written reads as none"),
+        ("own", "this process's own claim"),
+    ],
+)
+def test_a_claim_that_names_no_other_live_run_lets_a_run_start(tmp_path, owner, why):
+    lock = RunLock(tmp_path)
+    if owner == "own":
+        lock.acquire()
+    else:
+        (tmp_path / RunLock.NAME).write_text(owner if isinstance(owner, str) else json.dumps(owner))
+    lock.check()  # no FileExistsError
+
+
+@pytest.mark.parametrize("kill_error", [None, PermissionError])
+def test_a_claim_from_another_host_or_another_users_live_process_stops_a_run(tmp_path, monkeypatch, kill_error):
+    """A process id on another host cannot be checked here; one that exists under another user is alive."""
+    if kill_error is None:  # a process id that is not alive here, but on another host
+        owner = {"pid": 2**22 + 1, "host": socket.gethostname() + "-elsewhere"}
+    else:
+        monkeypatch.setattr(os, "kill", lambda pid, signal: (_ for _ in ()).throw(kill_error()))
+        owner = {"pid": 2**22 + 1, "host": socket.gethostname()}
+    (tmp_path / RunLock.NAME).write_text(json.dumps({**owner, "started": "then"}))
+    with pytest.raises(FileExistsError, match=rf"another run \(process {2**22 + 1} on {owner['host']}, started then\)"):
+        RunLock(tmp_path).check()
+
+
+@pytest.mark.parametrize("other", [{"pid": 1}, {"host": "elsewhere"}])
+def test_release_removes_only_this_processs_own_claim(tmp_path, other):
+    claim_ = {"pid": os.getpid(), "host": socket.gethostname(), "started": "then"} | other
+    (tmp_path / RunLock.NAME).write_text(json.dumps(claim_))
+    RunLock(tmp_path).release()
+    assert json.loads((tmp_path / RunLock.NAME).read_text()) == claim_
+    lock = RunLock(tmp_path / "own")
+    lock.acquire()
+    lock.release()
+    assert not lock.path.exists()
+
+
+# ---- what a checkpoint keeps of the run beyond weights: generators, per-rank draws, the settings --------------------
+
+
+def test_every_generator_draws_again_what_it_drew_after_its_state_was_captured_even_from_lists():
+    """A checkpoint round trip may hand Python's nested tuples back as lists."""
+
+    def draw():
+        return random.random(), np.random.rand(), torch.rand(1).item()
+
+    state = capture_random_state()
+    first = draw()
+    listed = json.loads(json.dumps(state["python"]))  # tuples -> lists
+    restore_random_state({**state, "python": listed})
+    assert draw() == first
+
+
+def test_each_rank_resumes_its_own_draws_and_all_take_rank_0s_when_the_number_of_processes_changed(monkeypatch, caplog):
+    ranks = [{"extra_batches_drawn": 3}, {"extra_batches_drawn": 5}]
+    monkeypatch.setattr(collectives, "gather_objects", lambda own: ranks)
+    saved = run_state(3, nonfinite_streak=2, parts={})
+    assert saved["ranks"] == ranks and saved["extra_batches_drawn"] == 3 and saved["nonfinite_streak"] == 2
+    monkeypatch.setattr(collectives, "world_size", lambda: 2)
+    monkeypatch.setattr(collectives, "rank", lambda: 1)
+    assert restored_run_state(saved) == ({"extra_batches_drawn": 5}, 2)
+    monkeypatch.setattr(collectives, "world_size", lambda: 3)
+    with caplog.at_level("WARNING"):
+        assert restored_run_state(saved) == ({"extra_batches_drawn": 3}, 2)
+    assert "checkpoint of 2 processes resumed by 3" in caplog.text
+
+
+def test_a_single_processs_run_state_is_its_own_and_an_old_checkpoint_has_no_streak():
+    saved = run_state(4, nonfinite_streak=1, parts={"gate": {"step": 2}})
+    assert "ranks" not in saved and saved["extra_batches_drawn"] == 4 and saved["parts"] == {"gate": {"step": 2}}
+    assert restored_run_state({"extra_batches_drawn": 4})[1] == 0
+
+
+class Settable(PartState):
+    """A part: public plain settings, a private attribute, what it learns (its state), a part inside it."""
+
+    def __init__(self):
+        self.eps, self.levels, self.name, self._cache = 0.2, [1, 2], None, 7
+        self.table, self.inner = {"a": 1}, Custom()
+        self.baseline = 0.5
+
+    def state_dict(self):
+        return {"baseline": self.baseline}
+
+    def load_state_dict(self, state):
+        self.baseline = state["baseline"]
+
+
+def test_a_part_is_described_by_its_plain_public_settings_alone():
+    assert describe(Settable()) == "Settable(eps=0.2, levels=[1, 2], name=None)"
+
+
+def test_only_the_keys_both_describe_are_compared_and_a_difference_names_both_values():
+    saved, current = {"a": "1", "b": "2", "gone": "x"}, {"a": "1", "b": "3", "new": "y"}
+    assert changed_keys(saved, current) == ["b"]
+    assert described_differences(saved, current, ["b"]) == ["b: 2 in the checkpoint, 3 now"]
+
+
+def test_the_state_hint_is_given_only_for_a_part_named_in_the_part_keys():
+    with pytest.raises(ValueError) as refused:
+        check_same_run({"rewards": "Mine(a=1)"}, {"rewards": "Mine(a=2)"}, "last.ckpt")
+    assert "rewards: Mine(a=1) in the checkpoint, Mine(a=2) now" in str(refused.value)
+    assert "public attribute" not in str(refused.value)
+
+
+def test_weights_are_refused_only_for_another_model_or_trainer_mode():
+    check_same_weights({"model": "llama, 10 parameters", "gate": "NoGate()"}, {"model": "llama, 10 parameters",
+                       "gate": "ClipGate()"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"another policy \(trainer_mode: lora in the checkpoint, full now\)"):
+        check_same_weights({"trainer_mode": "lora"}, {"trainer_mode": "full"})
+
+
+def test_a_changed_weight_decay_is_said_to_be_kept_by_the_optimiser_and_other_changes_are_not():
+    with pytest.warns(UserWarning) as caught:
+        warn_changed_settings({"model.optim.weight_decay": "0.0"}, {"model.optim.weight_decay": "0.1"})
+    message = str(caught[0].message)
+    assert "keeps 0.0)" in message and "start a new run from the exported policy" in message
+    with pytest.warns(UserWarning) as caught:
+        warn_changed_settings({"model.kl": "None"}, {"model.kl": "KLPenalty(beta=0.1)"})
+    assert str(caught[0].message).endswith("model.kl None -> KLPenalty(beta=0.1). The run goes on with them, so it "
+                                           "does not replay the one that wrote the checkpoint.")  # fmt: skip
+
+
+def test_part_states_keep_each_stateful_part_and_a_part_no_longer_configured_is_skipped():
+    def part(state):
+        return SimpleNamespace(state_dict=lambda: dict(state), load_state_dict=state.update)
+
+    objective = SimpleNamespace(gate=part({}), aggregator=part({}), masks=[part({"seen": 1})], token_weights=[])
+    module = SimpleNamespace(learner=SimpleNamespace(objective=objective), credit=SimpleNamespace(advantage=part({})),
+                             collector=SimpleNamespace(mixer=part({"scale": 2.0})))  # fmt: skip
+    assert part_states(module) == {"mixer": {"scale": 2.0}, "masks/0": {"seen": 1}}
+    load_part_states(module, {"mixer": {"scale": 3.0}, "masks/1": {"seen": 9}})  # masks/1: removed since
+    assert part_states(module)["mixer"] == {"scale": 3.0}
+
+
+def test_memory_and_give_up_settings_are_not_among_those_a_resume_warns_about(tiny_assets):
+    model, _ = tiny_assets
+    settings = describe_settings(tiny_module(model))
+    assert "model.optim.lr" in settings
+    assert not {"model.optim.micro_batch_size", "model.optim.max_consecutive_nonfinite"} & set(settings)
+
+
+def test_a_lora_run_is_described_as_lora_and_a_full_one_as_full(tiny_assets):
+    model, _ = tiny_assets
+    assert describe_run(tiny_module(model))["trainer_mode"] == "full"
+    assert describe_run(tiny_module(model, trainer_mode="lora"))["trainer_mode"] == "lora"

@@ -5,6 +5,7 @@ import csv
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -291,3 +292,117 @@ def test_a_callbacks_batch_values_are_the_batchs_own():
     values.publish(trainer)  # nothing measured in batch 1
     assert logger.rows == [(0, {"difficulty/seen": 4.0, "difficulty/skipped": 1.0})]
     assert float(trainer.callback_metrics["difficulty/seen"]) == 4.0
+
+
+def csv_rows(logger) -> list[dict[str, str]]:
+    with (Path(logger.log_dir) / "metrics.csv").open() as file:
+        return [{key: value for key, value in row.items() if value} for row in csv.DictReader(file)]
+
+
+def test_metrics_of_one_step_logged_in_several_calls_make_one_row_unless_a_name_repeats(tmp_path):
+    (csv_logger, _) = default_loggers(str(tmp_path))
+    csv_logger.log_metrics({"loss": 1.0}, step=0)
+    csv_logger.log_metrics({"reward": 2.0}, step=0)  # a callback's, at the module's step: joins its row
+    csv_logger.log_metrics({"loss": 3.0}, step=1)
+    csv_logger.log_metrics({"loss": 4.0}, step=1)  # the same name again: a row of its own
+    csv_logger.log_metrics({"reward": 5.0}, step=2)  # another step: a row of its own
+    csv_logger.save()
+    assert csv_rows(csv_logger) == [
+        {"step": "0", "loss": "1.0", "reward": "2.0"},
+        {"step": "1", "loss": "3.0"},
+        {"step": "1", "loss": "4.0"},
+        {"step": "2", "reward": "5.0"},
+    ]
+
+
+def test_a_resumed_csv_keeps_the_rows_before_its_first_step_and_the_new_rows_from_there_on(tmp_path):
+    """Killed after logging steps 0 to 3, resumed from the checkpoint at step 2: steps 2 and 3 are logged again, and
+    those rows replace the old ones; the rows of a later save are added to them."""
+    (crashed, _) = default_loggers(str(tmp_path))
+    for step in range(4):
+        crashed.log_metrics({"loss": float(step)}, step=step)
+    crashed.save()
+    (resumed, _) = default_loggers(str(tmp_path), resume=True)
+    assert resumed.log_dir == crashed.log_dir
+    resumed.log_metrics({"loss": 20.0}, step=2)
+    resumed.log_metrics({"loss": 30.0}, step=3)
+    resumed.save()
+    resumed.log_metrics({"loss": 40.0, "reward": 1.0}, step=4)  # a new column too
+    resumed.save()
+    assert csv_rows(resumed) == [
+        {"step": "0", "loss": "0.0"},
+        {"step": "1", "loss": "1.0"},
+        {"step": "2", "loss": "20.0"},
+        {"step": "3", "loss": "30.0"},
+        {"step": "4", "loss": "40.0", "reward": "1.0"},
+    ]
+
+
+def test_a_resume_of_a_root_without_runs_starts_version_0(tmp_path):
+    assert [logger.version for logger in default_loggers(str(tmp_path), resume=True)] == [0, 0]
+
+
+def test_csv_rows_wait_save_every_s_after_the_last_write_not_after_the_start(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(loggers, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    (csv_logger, _) = default_loggers(str(tmp_path))
+    clock[0] = loggers.SAVE_EVERY_S + 1  # the first row logged that long after the start is written with it
+    csv_logger.log_metrics({"loss": 1.0}, step=0)
+    clock[0] += 1  # one second after that write: held
+    csv_logger.log_metrics({"loss": 2.0}, step=1)
+    assert csv_rows(csv_logger) == [{"step": "0", "loss": "1.0"}]
+
+
+def test_tensorboard_tags_carry_the_loggers_prefix_and_dict_values_keep_lightnings_groups(tmp_path):
+    tensorboard = loggers.OneEventTensorBoardLogger(str(tmp_path), prefix="fit", default_hp_metric=False)
+    tensorboard.log_metrics({"loss": 0.5, "pair": {"a": 1.0, "b": 2.0}}, step=3)
+    tensorboard.finalize("success")
+    (main,) = Path(tensorboard.log_dir).glob("events.out.tfevents.*")
+    scalars = [(e.step, {v.tag: v.simple_value for v in e.summary.value}) for e in events_of(main) if e.summary.value]
+    assert scalars == [(3, {"fit-loss": 0.5})]
+    folder = Path(tensorboard.log_dir)
+    groups = sorted(str(path.parent.relative_to(folder)) for path in folder.glob("*/*/events.out.tfevents.*"))
+    assert groups == ["fit-pair/a", "fit-pair/b"]  # add_scalars: a folder per value of the group
+
+
+def unused_run(tmp_path, *, files=("config.yaml", "tb/events.out.tfevents.1"), **trainer):
+    """A version folder holding ``files``, and the trainer of a run that stopped before its first batch."""
+    folder = tmp_path / "lightning_logs" / "version_0"
+    for name in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("")
+    state = {"is_global_zero": True, "global_step": 0, "total_batch_idx": -1} | trainer
+    epoch_loop = SimpleNamespace(total_batch_idx=state.pop("total_batch_idx"))
+    logger = SimpleNamespace(log_dir=str(folder))
+    return folder, SimpleNamespace(**state, fit_loop=SimpleNamespace(epoch_loop=epoch_loop), loggers=[logger])
+
+
+def test_the_version_folder_of_a_run_stopped_before_its_first_batch_is_removed(tmp_path):
+    folder, trainer = unused_run(tmp_path)
+    loggers.discard_unused_version(trainer)
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        {"is_global_zero": False},  # another process: rank 0 alone touches the disk
+        {"global_step": 1},
+        {"total_batch_idx": 0},  # its first batch started
+        {"files": ("config.yaml", "tb/events.out.tfevents.1", "metrics.csv")},  # it logged
+        {"files": ("config.yaml", "tb/events.out.tfevents.1", "tb/events.out.tfevents.2")},
+    ],
+)
+def test_a_version_folder_that_a_run_used_or_another_process_owns_is_kept(tmp_path, kept):
+    folder, trainer = unused_run(tmp_path, **kept)
+    loggers.discard_unused_version(trainer)
+    assert (folder / "config.yaml").is_file()
+
+
+def test_the_session_start_is_marked_at_the_first_logged_step_not_at_a_call_without_one(tmp_path):
+    (_, tensorboard) = default_loggers(str(tmp_path))
+    tensorboard.log_metrics({"hp": 1.0})  # no step
+    tensorboard.log_metrics({"loss": 0.5}, step=5)
+    tensorboard.finalize("success")
+    starts = [e.step for e in tensorboard_events(tmp_path) if e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [5]
