@@ -18,7 +18,6 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
+from workload import device_clock  # benchmarks/workload.py (the script's folder)
+
 from gpo.algo import EntropyBonus, PolicyObjective, preset
 
 Inputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -65,13 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    clock = time.perf_counter
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
+    clock = device_clock(device)
     parts = preset("grpo").parts(args.width)
     objective = PolicyObjective(parts.gate, parts.aggregator, entropy=EntropyBonus(coef=0.01))
     variants = {"eager": objective.__call__, "compiled": torch.compile(objective.__call__, dynamic=True)}

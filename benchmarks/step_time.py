@@ -87,7 +87,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import gpo from this checkout
-from workload import add_preset_argument, add_workload_arguments, mean_sd  # benchmarks/workload.py
+from workload import add_preset_argument, add_workload_arguments, device_clock, mean_sd  # benchmarks/workload.py
 
 import gpo.parallel.collectives
 import gpo.parallel.fsdp
@@ -430,19 +430,6 @@ def run_gpo(model_path: str, data_path: str, root: Path, args: argparse.Namespac
     elif profiler is not None:
         profiler.print(args.op_sites, steps=args.steps)
     return recorder.steps[args.warmup :]
-
-
-def device_clock(device: torch.device) -> Callable[[], float]:
-    """``time.perf_counter``, read once the work queued on ``device`` is done: a CUDA call returns when its kernels
-    are launched, so a host clock alone would time the launches."""
-    if device.type == "cpu":
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return clock
 
 
 class OpSites(TorchDispatchMode):

@@ -1,11 +1,15 @@
 """What the benchmarks share: the tiny-llama GRPO workload's sizes, arguments and reward, TRL's matching settings,
-and a mean ± sd. Free of gpo's trainer and of TRL, so both environments import it."""
+a mean ± sd and a clock that waits for the GPU. Free of gpo's trainer and of TRL, so both environments import it."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
+
+import torch
 
 PRESETS = {  # --preset: the sizes of each workload
     "quickstart": {"hidden_size": 64, "num_layers": 2, "max_new_tokens": 4, "lr": 1e-3},
@@ -62,3 +66,16 @@ def trl_settings(args: argparse.Namespace, output_dir: str) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=args.warmup + args.steps,
         seed=args.seed, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter``, read once the work queued on ``device`` is done: a CUDA call returns when its kernels
+    are launched, so a host clock alone would time the launches."""
+    if device.type == "cpu":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock

@@ -189,17 +189,17 @@ class VLLMServers:
             headers={"Content-Type": "application/json", **bearer(self.api_key)},
             method="POST",
         )
-        waits, first, failing_since = self.retries.waits(), None, 0.0
+        waits, first, failing_since, service = self.retries.waits(), None, 0.0, f"vLLM server {url}"
         for tries in itertools.count(1):
             try:
                 with urllib.request.urlopen(request, timeout=self.retries.timeout_s) as response:
                     answer = response.read()
-                self.outages.answered(f"vLLM server {url}")
+                self.outages.answered(service)
                 return _decoded(answer, url, path)
             except urllib.error.HTTPError as error:
                 detail = _error_detail(error)
                 if not retried_status(error.code):
-                    self.outages.answered(f"vLLM server {url}")
+                    self.outages.answered(service)
                     raise VLLMServerError(self._refused(url, path, error.code, detail, body)) from error
                 problem = f"HTTP {error.code}: {detail}"
             except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
@@ -209,7 +209,7 @@ class VLLMServers:
             wait = next(waits, None)
             if wait is None:
                 raise VLLMServerError(self._gave_up(url, path, first, problem, tries, time.monotonic() - failing_since))
-            self.outages.failing(f"vLLM server {url}", f"POST {path}: {problem}", self.retries.bound(f"{self.where}."))
+            self.outages.failing(service, f"POST {path}: {problem}", self.retries.bound(f"{self.where}."))
             time.sleep(wait)
 
     def _gave_up(self, url: str, path: str, first: str, last: str, tries: int, seconds: float) -> str:
