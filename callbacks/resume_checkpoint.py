@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 from lightning import LightningModule, Trainer
@@ -39,8 +40,9 @@ class ResumeCheckpoint(ModelCheckpoint):
     checkpoint (Lightning alone stops wherever the first one lands, mid-step, and saves nothing). With several
     processes every rank stops after the same step, whichever got the signal (one all-reduce of two flags per
     training batch). SIGTERM during an evaluation (which runs
-    after a whole step) stops it at its next batch, writes the checkpoint in a single-process run, and exits 143 too:
-    Lightning alone ends such a run with exit code 0, as if it had finished. Files are replaced atomically when the
+    after a whole step) stops it at its next batch, writes the checkpoint in a single-process run, and exits 143 too
+    (Lightning alone ends such a run with exit code 0, as if it had finished); the resumed run evaluates that step again
+    from its first batch. Files are replaced atomically when the
     trainer's checkpoint IO is gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
 
     One run at a time per folder: a second run started on the folder of a live one stops at once, and a fresh run
@@ -76,6 +78,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         self._sigint_seen = False  # this process received Ctrl-C (SIGINT) while training
         self._sigint_before: signal.Handlers | Callable | None = None  # the SIGINT handler to put back
         self._save_after_evaluation = False  # a checkpoint is due at the end of the evaluation under way
+        self._evaluation_reopened = False  # resumed from a checkpoint written during an evaluation (SIGTERM)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -102,6 +105,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         #20806)."""
         self._sigterm_seen = self._sigint_seen = False  # a callback fitted again starts afresh
         self._save_after_evaluation = False
+        self._last_global_step_saved = trainer.global_step  # a resumed run's checkpoint holds this step already
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers belong to the main thread
         if trainer.world_size > 1:
@@ -206,6 +210,13 @@ class ResumeCheckpoint(ModelCheckpoint):
             self._save_after_evaluation = False
 
     @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._evaluation_reopened:  # the evaluation cut short by SIGTERM, from its start: counts made whole again
+            total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+            total.ready = total.started = total.completed
+            self._evaluation_reopened = False
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save_now(trainer)
 
@@ -220,9 +231,21 @@ class ResumeCheckpoint(ModelCheckpoint):
             rank_zero_info("SIGTERM: stopped")
             return
         if trainer.world_size == 1:
+            if trainer.validating:
+                reopen_evaluation(trainer)
+                self._evaluation_reopened = True  # saved with the checkpoint, for the resumed run
             self._save_now(trainer)
         rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from "
                        f"{self.last_model_path or 'the last checkpoint'}")  # fmt: skip
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "evaluation_reopened": self._evaluation_reopened}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._evaluation_reopened = state_dict.get("evaluation_reopened", False)  # absent: written before 2026-11-28
 
     def _save_now(self, trainer: Trainer) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
@@ -237,3 +260,14 @@ def evaluation_follows(trainer: Trainer) -> bool:
     the epoch's end, early stopping): its own test, read at ``on_train_batch_end``."""
     epoch_loop = trainer.fit_loop.epoch_loop
     return trainer.enable_validation and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+def reopen_evaluation(trainer: Trainer) -> None:
+    """Mark the evaluation under way as stopped inside its first batch: a checkpoint written now then resumes by
+    evaluating the step again from the start (Lightning's restart mid-evaluation), where one written as the loops stand
+    resumes after it, without its ``val/*`` row. The resumed run makes the counts whole (``on_validation_start``)."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    before = progress.total.completed - progress.current.completed  # held-out batches of earlier evaluations
+    one_started = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    progress.total.load_state_dict({name: before + count for name, count in one_started.items()})
+    progress.current.load_state_dict(one_started)

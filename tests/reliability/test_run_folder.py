@@ -16,6 +16,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gpo.algo import AdvantageEstimator, Custom
 from gpo.algo.state import PartState
@@ -150,27 +151,59 @@ def test_a_resume_with_changed_settings_warns_naming_each_and_what_the_checkpoin
     assert "model.old_logprobs rollout -> trainer" in message and "model.kl" not in message
 
 
-def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_and_exits_143(tiny_assets, tmp_path):
-    """Lightning's evaluation loop stops at SIGTERM with exit code 0, which a scheduler reads as done."""
-    import lightning as L
-    import torch
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
+class Evaluations(L.Callback):
+    """The held-out metrics of each evaluation, by step; with ``term_at``, what Lightning's SIGTERM handler sets, at
+    the first held-out batch of the evaluation after that step (the loop stops after that batch)."""
 
-    class TermDuringEvaluation(L.Callback):  # what Lightning's SIGTERM handler sets, at the first held-out batch
-        def on_validation_batch_start(self, trainer, *_):
-            if not trainer.sanity_checking:
-                trainer._signal_connector.received_sigterm = True
+    def __init__(self, term_at: int | None = None) -> None:
+        self.term_at, self.metrics, self.batches = term_at, {}, []
 
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.global_step, batch_idx))
+        if trainer.global_step == self.term_at:
+            trainer._signal_connector.received_sigterm = True
+
+    def on_validation_end(self, trainer, pl_module):
+        held_out = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        self.metrics[trainer.global_step] = held_out
+
+
+def digit_share(prompts, completions, **columns):
+    """A reward with many values, so that an evaluation over other batches or weights shows."""
+    return [sum(c.isdigit() for c in completion) / max(len(completion), 1) for completion in completions]
+
+
+def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_exits_143_and_the_resumed_run_evaluates_it(
+    tiny_assets, tmp_path
+):
+    """Lightning's evaluation loop stops at SIGTERM with exit code 0, which a scheduler reads as done; and a
+    checkpoint written as its loops stand mid-evaluation resumes after the evaluation, which the run then never has
+    (seen before 2026-11-28: the resumed run's first evaluation was the next one)."""
     model, data = tiny_assets
     folder = tmp_path / "checkpoints"
-    checkpoints = ResumeCheckpoint(dirpath=folder, every_n_train_steps=100)
-    trainer = quiet_trainer(6, [checkpoints, TermDuringEvaluation()], enable_checkpointing=True,
-                            val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0)  # fmt: skip
-    module = tiny_module(model)
+
+    def fit(evaluations, ckpt_path=None):
+        checkpoints = ResumeCheckpoint(dirpath=folder, every_n_train_steps=100)
+        trainer = quiet_trainer(6, [checkpoints, evaluations], enable_checkpointing=True, val_check_interval=3,
+                                check_val_every_n_epoch=None, num_sanity_val_steps=0)  # fmt: skip
+        module = tiny_module(model, rewards=(digit_share,))
+        trainer.fit(module, prompts(model, data, val_size=16), ckpt_path=ckpt_path)  # 16 held-out prompts: 4 batches
+        return module
+
+    stopped_at_3 = Evaluations(term_at=3)
     with pytest.raises(SIGTERMException) as stopped:
-        trainer.fit(module, prompts(model, data, val_size=16))  # 16 held-out prompts: several batches
-    assert stopped.value.code == 143
+        fit(stopped_at_3)
+    assert stopped.value.code == 143 and stopped_at_3.batches == [(3, 0)] and stopped_at_3.metrics == {}
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 3  # the evaluation after step 3
+    resumed = Evaluations()
+    resumed_module = fit(resumed, ckpt_path="last")
+    assert resumed.batches == [(3, 0), (3, 1), (3, 2), (3, 3), (6, 0), (6, 1), (6, 2), (6, 3)]  # step 3 again, whole
+    (folder / "last.ckpt").unlink()
+    uninterrupted = Evaluations()
+    whole = fit(uninterrupted)
+    assert resumed.metrics == uninterrupted.metrics and 0 < uninterrupted.metrics[3]["val/reward_sampled"] < 1
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(resumed_module.state_dict()[name], tensor), name
 
 
 class PromptsSeen(L.Callback):
@@ -278,40 +311,62 @@ def test_save_top_k_keeps_the_latest_step_numbered_checkpoints_beside_last(tmp_p
 
 
 class Evaluated(Linear):
-    """Evaluates every 2 steps (one batch), recording the steps evaluated; the evaluation at ``crash_at`` fails."""
+    """Evaluates every 2 steps (``batches`` held-out batches), recording the step of each batch evaluated; the
+    evaluation at ``crash_at`` fails, and the one at ``term_at`` gets SIGTERM (Lightning's flag) in its first batch."""
 
-    def __init__(self, crash_at: int | None = None) -> None:
+    def __init__(self, crash_at: int | None = None, term_at: int | None = None, batches: int = 1) -> None:
         super().__init__()
-        self.crash_at, self.evaluated = crash_at, []
+        self.crash_at, self.term_at, self.batches, self.evaluated = crash_at, term_at, batches, []
 
     def validation_step(self, batch, batch_idx):
         if self.global_step == self.crash_at:
             raise RuntimeError("the evaluation crashed")
+        if self.global_step == self.term_at:
+            self.trainer._signal_connector.received_sigterm = True
         self.evaluated.append(self.global_step)
 
     def val_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(1, 2), batch_size=1)
+        return torch.utils.data.DataLoader(torch.randn(self.batches, 2), batch_size=1)
+
+
+def fit_evaluated(module, folder, max_steps=6, ckpt_path=None):
+    trainer = L.Trainer(max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                        callbacks=[ResumeCheckpoint(dirpath=folder, every_n_train_steps=2)], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module.evaluated
+
+
+def saved_step(folder) -> int:
+    return torch.load(folder / "last.ckpt", weights_only=False)["global_step"]
 
 
 def test_an_evaluation_cut_short_by_a_crash_is_run_again_by_the_resumed_run(tmp_path):
     """The checkpoint of a step whose evaluation follows is written after it: a crash during the evaluation at step 4
     resumes from step 2, whose replay evaluates step 4 again. Written before the evaluation (as Lightning's
     on_train_batch_end save does), it resumed after it, and the run never had its step-4 evaluation."""
-
-    def fit(module, ckpt_path=None):
-        trainer = L.Trainer(max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                            callbacks=[ResumeCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-        trainer.fit(module, ckpt_path=ckpt_path)
-        return module.evaluated
-
     crashed = Evaluated(crash_at=4)
     with pytest.raises(RuntimeError, match="the evaluation crashed"):
-        fit(crashed)
-    assert crashed.evaluated == [2]
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
-    assert fit(Evaluated(), ckpt_path="last") == [4, 6]  # step 2's evaluation is not run twice
-    assert fit(Evaluated(), ckpt_path="last") == []  # resumed at the end, after the last evaluation: nothing to redo
+        fit_evaluated(crashed, tmp_path)
+    assert crashed.evaluated == [2] and saved_step(tmp_path) == 2
+    assert fit_evaluated(Evaluated(), tmp_path, ckpt_path="last") == [4, 6]  # step 2's evaluation is not run twice
+    assert fit_evaluated(Evaluated(), tmp_path, ckpt_path="last") == []  # resumed at the end: nothing to redo
+
+
+def test_a_run_resumed_from_an_evaluation_stopped_by_sigterm_keeps_its_checkpoint_steps_and_evaluations(tmp_path):
+    """SIGTERM in step 4's evaluation checkpoints step 4, and the resumed run evaluates it again from its first batch;
+    its checkpoints fall on steps 6, 8, ... as before (counted from a save it did not make, they fell on 5, 7, ...),
+    and a crash in a later evaluation resumes without repeating the one before it (its batch counts were left one
+    batch short of whole, so Lightning took the checkpoint for one written mid-evaluation)."""
+    stopped = Evaluated(term_at=4, batches=3)
+    with pytest.raises(SIGTERMException):
+        fit_evaluated(stopped, tmp_path, max_steps=10)
+    assert stopped.evaluated == [2, 2, 2, 4] and saved_step(tmp_path) == 4
+    crashed = Evaluated(crash_at=8, batches=3)
+    with pytest.raises(RuntimeError, match="the evaluation crashed"):
+        fit_evaluated(crashed, tmp_path, max_steps=10, ckpt_path="last")
+    assert crashed.evaluated == [4, 4, 4, 6, 6, 6] and saved_step(tmp_path) == 6
+    assert fit_evaluated(Evaluated(batches=3), tmp_path, max_steps=10, ckpt_path="last") == [8, 8, 8, 10, 10, 10]
 
 
 # ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
