@@ -235,8 +235,15 @@ class ResumeCheckpoint(ModelCheckpoint):
                 reopen_evaluation(trainer)
                 self._evaluation_reopened = True  # saved with the checkpoint, for the resumed run
             self._save_now(trainer)
-        rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from "
-                       f"{self.last_model_path or 'the last checkpoint'}")  # fmt: skip
+        resume_from = self.last_model_path or "the last checkpoint"
+        if trainer.validating and 0 < trainer.max_steps <= trainer.global_step:  # the last step's: nothing to resume
+            rank_zero_info(
+                f"SIGTERM: stopped during the evaluation after the last step ({trainer.global_step}). Evaluate "
+                f"{resume_from} with `gpo validate --config ... --ckpt_path last` (in Python: "
+                "trainer.validate(module, ckpt_path='last')), or raise trainer.max_steps and resume it."
+            )
+            return
+        rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {resume_from}")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -369,6 +369,18 @@ def test_a_run_resumed_from_an_evaluation_stopped_by_sigterm_keeps_its_checkpoin
     assert fit_evaluated(Evaluated(batches=3), tmp_path, max_steps=10, ckpt_path="last") == [8, 8, 8, 10, 10, 10]
 
 
+def test_sigterm_during_the_evaluation_after_the_last_step_says_how_to_evaluate_it(tmp_path, caplog):
+    """A run resumed at its last step has nothing to train, so Lightning runs no evaluation: the message names
+    `gpo validate`; a resume to more steps evaluates that step first."""
+    stopped = Evaluated(term_at=6, batches=3)
+    with caplog.at_level("INFO"), pytest.raises(SIGTERMException):
+        fit_evaluated(stopped, tmp_path)
+    assert stopped.evaluated == [2, 2, 2, 4, 4, 4, 6] and saved_step(tmp_path) == 6
+    assert "stopped during the evaluation after the last step (6). Evaluate " in caplog.text
+    assert "with `gpo validate --config ... --ckpt_path last`" in caplog.text
+    assert fit_evaluated(Evaluated(batches=3), tmp_path, max_steps=8, ckpt_path="last") == [6, 6, 6, 8, 8, 8]
+
+
 # ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
 
 
