@@ -39,11 +39,11 @@ class ResumeCheckpoint(ModelCheckpoint):
     Lightning stops at Ctrl-C (``KeyboardInterrupt``, exit code 1); a second Ctrl-C stops at once, without the
     checkpoint (Lightning alone stops wherever the first one lands, mid-step, and saves nothing). With several
     processes every rank stops after the same step, whichever got the signal (one all-reduce of two flags per
-    training batch). SIGTERM during an evaluation (which runs
-    after a whole step) stops it at its next batch, writes the checkpoint in a single-process run, and exits 143 too
-    (Lightning alone ends such a run with exit code 0, as if it had finished); the resumed run evaluates that step again
-    from its first batch. Files are replaced atomically when the
-    trainer's checkpoint IO is gpo's ``AtomicCheckpointIO`` (``GPOModule`` installs it).
+    training batch). In a single-process run, SIGTERM or Ctrl-C during an evaluation (which runs after a whole step)
+    stops it after the held-out batch under way and writes the checkpoint, which resumes by evaluating that step again
+    from its first batch; SIGTERM exits 143 there too (Lightning alone ends such a run with exit code 0, as if it had
+    finished). Files are replaced atomically when the trainer's checkpoint IO is gpo's ``AtomicCheckpointIO``
+    (``GPOModule`` installs it).
 
     One run at a time per folder: a second run started on the folder of a live one stops at once, and a fresh run
     refuses a folder that holds an earlier run's ``last.ckpt`` (continue it with ``--ckpt_path last``, or choose
@@ -120,7 +120,7 @@ class ResumeCheckpoint(ModelCheckpoint):
             self._restore_sigint()
             raise KeyboardInterrupt
         self._sigint_seen = True
-        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once, without one)",
+        print("\nCtrl-C: stopping with a checkpoint after this step or held-out batch; again: at once, without one",
               file=sys.stderr, flush=True)  # fmt: skip
 
     def _restore_sigint(self) -> None:
@@ -193,13 +193,19 @@ class ResumeCheckpoint(ModelCheckpoint):
         sigterm, sigint = self._stop_requested(trainer)
         # Due before an evaluation: saved at its end (a crash in it resumes from the checkpoint before, and evaluates)
         self._save_after_evaluation = (due or last) and not (sigterm or sigint) and evaluation_follows(trainer)
-        if (due or last or sigterm or sigint) and not self._save_after_evaluation:
-            self._save_now(trainer)
         if sigterm or sigint:
-            signal_name = "SIGTERM" if sigterm else "Ctrl-C"
-            rank_zero_info(f"{signal_name}: stopped after step {trainer.global_step}; resume from "
-                           f"{self.last_model_path}")  # fmt: skip
+            self._save_stopped(trainer, "SIGTERM" if sigterm else "Ctrl-C")
             raise SIGTERMException(SIGTERM_EXIT_CODE) if sigterm else KeyboardInterrupt
+        if (due or last) and not self._save_after_evaluation:
+            self._save_now(trainer)
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args, **kwargs) -> None:
+        """Ctrl-C during an evaluation of a one-process fit stops after this held-out batch, as Lightning's loop stops
+        at SIGTERM. With several processes both wait for the next training batch's end, where the ranks agree."""
+        if self._sigint_seen and trainer.world_size == 1 and trainer.validating:
+            self._save_stopped(trainer, "Ctrl-C")
+            raise KeyboardInterrupt
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -231,19 +237,27 @@ class ResumeCheckpoint(ModelCheckpoint):
             rank_zero_info("SIGTERM: stopped")
             return
         if trainer.world_size == 1:
-            if trainer.validating:
-                reopen_evaluation(trainer)
-                self._evaluation_reopened = True  # saved with the checkpoint, for the resumed run
-            self._save_now(trainer)
-        resume_from = self.last_model_path or "the last checkpoint"
-        if trainer.validating and 0 < trainer.max_steps <= trainer.global_step:  # the last step's: nothing to resume
+            self._save_stopped(trainer, "SIGTERM")
+        else:
+            rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from the last checkpoint")
+
+    def _save_stopped(self, trainer: Trainer, signal_name: str) -> None:
+        """The checkpoint of a run stopped by a signal after its last whole step; stopped during that step's
+        evaluation (one process), one that resumes by evaluating the step again from its first held-out batch."""
+        evaluating = trainer.validating
+        if evaluating:
+            reopen_evaluation(trainer)
+            self._evaluation_reopened = True  # saved with the checkpoint, for the resumed run
+        self._save_now(trainer)
+        if evaluating and 0 < trainer.max_steps <= trainer.global_step:  # the last step's: nothing left to resume
             rank_zero_info(
-                f"SIGTERM: stopped during the evaluation after the last step ({trainer.global_step}). Evaluate "
-                f"{resume_from} with `gpo validate --config ... --ckpt_path last` (in Python: "
+                f"{signal_name}: stopped during the evaluation after the last step ({trainer.global_step}). Evaluate "
+                f"{self.last_model_path} with `gpo validate --config ... --ckpt_path last` (in Python: "
                 "trainer.validate(module, ckpt_path='last')), or raise trainer.max_steps and resume it."
             )
-            return
-        rank_zero_info(f"SIGTERM: stopped after step {trainer.global_step}; resume from {resume_from}")
+        else:
+            step = trainer.global_step
+            rank_zero_info(f"{signal_name}: stopped after step {step}; resume from {self.last_model_path}")
 
     @override
     def state_dict(self) -> dict[str, Any]:

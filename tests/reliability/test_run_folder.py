@@ -7,6 +7,7 @@ run again."""
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -312,17 +313,21 @@ def test_save_top_k_keeps_the_latest_step_numbered_checkpoints_beside_last(tmp_p
 
 class Evaluated(Linear):
     """Evaluates every 2 steps (``batches`` held-out batches), recording the step of each batch evaluated; the
-    evaluation at ``crash_at`` fails, and the one at ``term_at`` gets SIGTERM (Lightning's flag) in its first batch."""
+    evaluation at ``crash_at`` fails, and the one at ``stop_at`` gets SIGTERM (Lightning's flag, as its handler sets
+    it) or Ctrl-C (a real SIGINT) in its first batch."""
 
-    def __init__(self, crash_at: int | None = None, term_at: int | None = None, batches: int = 1) -> None:
+    def __init__(self, crash_at=None, stop_at=None, stop_by="SIGTERM", batches=1) -> None:
         super().__init__()
-        self.crash_at, self.term_at, self.batches, self.evaluated = crash_at, term_at, batches, []
+        self.crash_at, self.stop_at, self.stop_by, self.batches = crash_at, stop_at, stop_by, batches
+        self.evaluated = []
 
     def validation_step(self, batch, batch_idx):
         if self.global_step == self.crash_at:
             raise RuntimeError("the evaluation crashed")
-        if self.global_step == self.term_at:
+        if self.global_step == self.stop_at and self.stop_by == "SIGTERM":
             self.trainer._signal_connector.received_sigterm = True
+        elif self.global_step == self.stop_at and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGINT)
         self.evaluated.append(self.global_step)
 
     def val_dataloader(self):
@@ -353,14 +358,19 @@ def test_an_evaluation_cut_short_by_a_crash_is_run_again_by_the_resumed_run(tmp_
     assert fit_evaluated(Evaluated(), tmp_path, ckpt_path="last") == []  # resumed at the end: nothing to redo
 
 
-def test_a_run_resumed_from_an_evaluation_stopped_by_sigterm_keeps_its_checkpoint_steps_and_evaluations(tmp_path):
-    """SIGTERM in step 4's evaluation checkpoints step 4, and the resumed run evaluates it again from its first batch;
-    its checkpoints fall on steps 6, 8, ... as before (counted from a save it did not make, they fell on 5, 7, ...),
-    and a crash in a later evaluation resumes without repeating the one before it (its batch counts were left one
-    batch short of whole, so Lightning took the checkpoint for one written mid-evaluation)."""
-    stopped = Evaluated(term_at=4, batches=3)
-    with pytest.raises(SIGTERMException):
+@pytest.mark.parametrize(("stop_by", "stopped_as"), [("SIGTERM", SIGTERMException), ("Ctrl-C", SystemExit)])
+def test_a_run_resumed_from_an_evaluation_stopped_by_a_signal_keeps_its_checkpoint_steps_and_evaluations(
+    tmp_path, stop_by, stopped_as
+):
+    """SIGTERM or Ctrl-C in step 4's evaluation stops it after that batch and checkpoints step 4; the resumed run
+    evaluates it again from its first batch. Its checkpoints fall on steps 6, 8, ... as before (counted from a save it
+    did not make, they fell on 5, 7, ...), and a crash in a later evaluation resumes without repeating the one before
+    it (its batch counts were left one batch short of whole, so Lightning took the checkpoint for one written
+    mid-evaluation). Ctrl-C used to let the evaluation finish and train one more step."""
+    stopped = Evaluated(stop_at=4, stop_by=stop_by, batches=3)
+    with pytest.raises(stopped_as) as raised:
         fit_evaluated(stopped, tmp_path, max_steps=10)
+    assert raised.value.code == (143 if stop_by == "SIGTERM" else 1)
     assert stopped.evaluated == [2, 2, 2, 4] and saved_step(tmp_path) == 4
     crashed = Evaluated(crash_at=8, batches=3)
     with pytest.raises(RuntimeError, match="the evaluation crashed"):
@@ -372,7 +382,7 @@ def test_a_run_resumed_from_an_evaluation_stopped_by_sigterm_keeps_its_checkpoin
 def test_sigterm_during_the_evaluation_after_the_last_step_says_how_to_evaluate_it(tmp_path, caplog):
     """A run resumed at its last step has nothing to train, so Lightning runs no evaluation: the message names
     `gpo validate`; a resume to more steps evaluates that step first."""
-    stopped = Evaluated(term_at=6, batches=3)
+    stopped = Evaluated(stop_at=6, batches=3)
     with caplog.at_level("INFO"), pytest.raises(SIGTERMException):
         fit_evaluated(stopped, tmp_path)
     assert stopped.evaluated == [2, 2, 2, 4, 4, 4, 6] and saved_step(tmp_path) == 6
