@@ -20,7 +20,8 @@ class ExportPolicy(Callback):
     When training ends, writes the policy and its tokenizer to ``<log dir>/export`` (or ``folder``) with
     ``save_pretrained``: a folder that transformers and vLLM load. A LoRA policy is saved merged into its base
     weights (``merged``: a plain model folder) or as the adapter alone (``adapter``: load it with peft on top of the
-    base model); the trained model itself is left untouched. The folder appears whole or not at all.
+    base model); the trained model itself is left untouched. The folder appears whole or not at all, and must be
+    new, empty or an earlier export (replaced whole): one holding other files is refused when the fit sets up.
 
     ``gpo fit`` adds one unless ``export: none``. Refused under FSDP (the policy is sharded over the processes;
     exporting a sharded run is not built yet).
@@ -41,9 +42,12 @@ class ExportPolicy(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from gpo.models.export import check_export_folder
         from gpo.parallel.fsdp import is_sharded
 
         require_source(self, pl_module, ("policy", "tokenizer"))
+        if stage == "fit":
+            check_export_folder(self._folder(trainer), "ExportPolicy folder")  # refused now, not after the training
         if is_sharded(trainer.strategy):
             raise ValueError(
                 "exporting under FSDP is not supported yet (the policy is sharded over the processes): set "
@@ -55,6 +59,8 @@ class ExportPolicy(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from gpo.models.export import export_policy
 
-        folder = self.folder or Path(trainer.log_dir or trainer.default_root_dir) / "export"  # log_dir: every rank
         if trainer.is_global_zero:
-            export_policy(pl_module.policy, pl_module.tokenizer, folder, merge=self.mode == "merged")
+            export_policy(pl_module.policy, pl_module.tokenizer, self._folder(trainer), merge=self.mode == "merged")
+
+    def _folder(self, trainer: Trainer) -> Path:
+        return Path(self.folder or Path(trainer.log_dir or trainer.default_root_dir) / "export")  # log_dir: every rank

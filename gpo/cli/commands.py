@@ -64,7 +64,9 @@ def export_checkpoint_command(argv: list[str]) -> None:
         "the run changed none of its model settings",
     )
     parser.add_argument("checkpoint", help="a .ckpt file of that run")
-    parser.add_argument("out", help="folder to write the model and tokenizer into")
+    parser.add_argument(
+        "out", help="folder to write the model and tokenizer into: a new or empty one, or an earlier export (replaced)"
+    )
     parser.add_argument("--adapter", action="store_true", help="LoRA runs: save the adapter alone, not merged")
     parser.add_argument("--policy", help="base model folder, if the config's model.policy path is not valid here")
     args = parser.parse_args(argv)
@@ -75,7 +77,7 @@ def export_checkpoint_command(argv: list[str]) -> None:
     try:
         config = config_path(args.config, argument="CONFIG")
         out = export_checkpoint(config, args.checkpoint, args.out, merge=not args.adapter, policy=args.policy)
-    except (FileNotFoundError, ValueError, CheckpointError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, CheckpointError) as err:
         parser.exit(2, f"gpo export: error: {err}\n")
     print(f"wrote {out}")
 

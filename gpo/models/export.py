@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.models.loading import is_peft, unwrap
+
+EXPORT_MARK = "gpo_export.json"  # in every folder an export writes: the mark of a folder a later export may replace
+
+
+def check_export_folder(folder: str | Path, field: str) -> Path:
+    """``folder`` as an absolute path, if an export may write it: absent, empty, or an earlier export (it holds
+    ``EXPORT_MARK``), which the export replaces whole. Any other folder is refused (``field`` names the setting):
+    replacing it would delete its files."""
+    folder = Path(folder).resolve()
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{field}: {folder} is a file; give a folder to export into.")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / EXPORT_MARK).is_file():
+        raise FileExistsError(
+            f"{field}: {folder} holds files that no gpo export wrote, and an export replaces its folder whole: choose "
+            "a new or empty folder."
+        )
+    return folder
 
 
 def export_policy(
@@ -18,11 +36,12 @@ def export_policy(
 
     A LoRA policy is saved merged into its base weights (``merge=True``: a plain model folder) or as the
     adapter alone (``merge=False``: load it with peft on top of the base model); the training model itself is
-    left untouched. The folder appears whole or not at all: files go to a sibling temporary folder first.
+    left untouched. The folder appears whole or not at all: files go to a sibling temporary folder first. An earlier
+    export in ``folder`` is replaced; a folder holding anything else is refused (``check_export_folder``).
     ``tokenizer`` is saved as it is: load it with ``gpo.models.loading.load_tokenizer``, which keeps the pipeline
     of the folder's ``tokenizer.json``, and the exported folder tokenizes as the input folder did.
     """
-    folder = Path(folder)
+    folder = check_export_folder(folder, "export folder")
     partial = folder.with_name(f".{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     model = policy
@@ -30,6 +49,8 @@ def export_policy(
         model = copy.deepcopy(policy).merge_and_unload()
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    mark = {"written_by": "gpo export", "adapter_only": is_peft(policy) and not merge}
+    (partial / EXPORT_MARK).write_text(json.dumps(mark) + "\n", encoding="utf-8")
     if folder.exists():
         previous = folder.with_name(f".{folder.name}.previous")
         shutil.rmtree(previous, ignore_errors=True)
@@ -53,6 +74,7 @@ def export_checkpoint(
     from gpo.train.checkpointing import load_checkpoint_file
 
     settings = _run_settings(Path(config))
+    folder = check_export_folder(folder, "OUT")  # before the model loads
     if Path(checkpoint).is_dir():
         sharded = any(Path(checkpoint).glob("*.distcp"))
         raise ValueError(

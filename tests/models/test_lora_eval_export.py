@@ -214,6 +214,48 @@ def test_export_refuses_swapped_arguments_a_missing_checkpoint_and_an_adapter_of
     assert not (tmp_path / "out").exists()
 
 
+def test_export_refuses_a_folder_that_holds_anything_but_an_earlier_export(tmp_path, capsys, monkeypatch):
+    """An export replaces its folder whole: given a run's folder, or ``.``, it deleted every file there and said
+    ``wrote`` (seen before 2026-11-28). Refused before the model loads, with nothing touched; an empty folder and an
+    earlier export (its mark) are written."""
+    from gpo.cli import main
+    from gpo.models.export import EXPORT_MARK, export_policy
+    from gpo.testing import char_tokenizer, tiny_model
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {tmp_path / 'no_model_needed'}\n")
+    checkpoint = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, checkpoint)
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True)
+    (run / "sub" / "data.txt").write_text("kept")
+    monkeypatch.chdir(run)
+    for out, says in [(str(run), f"OUT: {run} holds files that no gpo export wrote"), (".", f"OUT: {run} holds"),
+                      ("sub/data.txt", f"OUT: {run / 'sub' / 'data.txt'} is a file; give a folder")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(config), str(checkpoint), out])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(f"gpo export: error: {says}"), err
+    assert [path.name for path in run.rglob("*")] == ["sub", "data.txt"]
+    with pytest.raises(FileExistsError, match=r"export folder: .* choose a new or empty folder"):
+        export_policy(tiny_model(seed=0), char_tokenizer(), run)
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # into an empty folder, then over that export
+        export_policy(tiny_model(seed=0), char_tokenizer(), tmp_path / "empty")
+        assert (tmp_path / "empty" / EXPORT_MARK).is_file() and (tmp_path / "empty" / "config.json").is_file()
+
+
+def test_export_policy_refuses_a_folder_holding_other_files_before_training(workspace, tmp_path):
+    _, model, data = workspace
+    (tmp_path / "notes.txt").write_text("kept")
+    module = tiny_module(model)
+    trainer = L.Trainer(max_steps=2, callbacks=[ExportPolicy(folder=str(tmp_path))], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    with pytest.raises(FileExistsError, match=rf"ExportPolicy folder: {tmp_path} holds files that no gpo export"):
+        trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    assert trainer.global_step == 0 and [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_an_adapter_records_its_base_model_as_an_absolute_folder(workspace, monkeypatch):
     """``model.policy: model`` given relative to the run's working directory: the exported adapter must still find
     its base model from anywhere."""
