@@ -235,6 +235,26 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
     assert "unknown setting model.knobs.use_ppo_clip" in err and f"(set in {old})" in err, err
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "message", "named"),
+    [
+        ("model:\n  group_size: 1\n", "model.group_size=1: group-relative advantages need at least 2", True),
+        ("model:\n  policy: runs/modle\n", "model.policy='runs/modle': no such folder", True),
+        ("data:\n  path: trian.jsonl\n", "data.path: data path 'trian.jsonl' does not exist", True),
+        ("model:\n  group_size: 16\n", "model.group_size=1: group-relative", False),  # 1 came from a flag
+        ("model:\n  group_size: 1\n", "the reward function failed: model.group_size", False),  # not about a setting
+    ],
+)
+def test_gpos_own_refusal_of_a_setting_names_the_yaml_file_that_set_it(tmp_path, yaml_text, message, named):
+    """jsonargparse's errors named the file (above); gpo's own checks, run after parsing, did not."""
+    from gpo.cli.errors import explain
+
+    config = tmp_path / "mine.yaml"
+    config.write_text(yaml_text)
+    explained = explain(message, [str(tmp_path / "other.yaml"), str(config)])
+    assert explained == (f"{message}\n(set in {config})" if named else message)
+
+
 def test_a_run_prints_nothing_a_user_cannot_act_on(root):
     """Lightning's cloud tips, its own pytree deprecation warning, its warnings about the data module's batch transfer
     and about the empty validation loader of a run without held-out prompts are left out of ``gpo fit``'s output (a

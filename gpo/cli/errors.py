@@ -54,6 +54,8 @@ _IMPORT_PATH_TEXT = re.compile(r"[A-Za-z_][\w.]*")  # what a value naming a func
 #: The class a nested setting belongs to, and the setting: ``class_path 'gpo.algo.Custom': Parser key "advantage"``.
 _OWNER = re.compile(r"Problem with given class_path '([\w.]+)':\s*Parser key \"(\w+)\"")
 _ABSTRACT_TYPE = re.compile(r"Expected an instantiatable class, but ([\w.]+) is abstract")
+#: How gpo's own checks start a message about a setting: ``model.group_size=1: ...``, ``data.path: ...``.
+_OWN_SETTING = re.compile(r"((?:model|data|trainer)(?:\.\w+)+)(?:=('[^']*'|\"[^\"]*\"|[^\s:]+))?:")
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
 _NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
@@ -69,8 +71,10 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     moved = [f"{old} moved: use {new}." for old, new in MOVED_PATHS.items() if old.lower() in message.lower()]
     if message.startswith(_YAML_PROBLEM):
         return _yaml_problem(message, config_files)
-    if not any(marker in message for marker in JSONARGPARSE_MARKERS):
-        return "\n".join([message, *moved])
+    if not any(marker in message for marker in JSONARGPARSE_MARKERS):  # gpo's own check: it names key and fix
+        own = _OWN_SETTING.match(message)
+        source = own and file_holding(own.group(1), config_files, own.group(2) and own.group(2).strip("'\""))
+        return "\n".join([message, *([f"(set in {source})"] if source else []), *moved])
     key, problem, unknown = _key_and_problem(message)
     rejected_value = None if unknown else _GOT_VALUE.search(message)
     source = file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None

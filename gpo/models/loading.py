@@ -26,7 +26,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from gpo.models import gguf_cache
-from gpo.suggest import did_you_mean
+from gpo.suggest import closest_file, did_you_mean
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "gpt2", "Qwen/Qwen3-4B"
@@ -75,10 +75,12 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
         if _HUB_ID.match(path):
             check_hub_id(path, field, kind)
             return
+        guess = closest_file(folder, then=" Otherwise p")
         raise FileNotFoundError(
-            f"{field}={path!r}: no such folder (looked for {folder.absolute()}). Point {field} at a folder "
-            f"written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), a .gguf file, or a "
-            f"GGUF model shipped in a package (package:file.gguf); relative paths start from the working directory."
+            f"{field}={path!r}: no such folder (looked for {folder.absolute()}){f'; {guess}' if guess else '. P'}oint "
+            f"{field} at a folder written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), a .gguf "
+            "file, or a GGUF model shipped in a package (package:file.gguf); relative paths start from the working "
+            "directory."
         )
     if not folder.is_dir():
         raise FileNotFoundError(

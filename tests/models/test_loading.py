@@ -105,6 +105,19 @@ def test_a_path_that_is_no_hub_id_is_refused_without_asking(hub):
     assert hub.asked == []
 
 
+def test_a_misspelt_model_folder_gets_the_closest_folder_beside_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny" / "model").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as refused:
+        check_pretrained_folder("runs/tiny/modle", "model.policy", "model")
+    assert "no such folder (looked for " in str(refused.value)
+    assert "/runs/tiny/modle); did you mean runs/tiny/model? Otherwise point model.policy at a folder" in str(
+        refused.value
+    )
+    with pytest.raises(FileNotFoundError, match=r"/runs/tiny/zzz\)\. Point model.policy at a folder"):
+        check_pretrained_folder("runs/tiny/zzz", "model.policy", "model")  # nothing close
+
+
 def test_an_id_the_hub_knows_or_the_cache_holds_goes_on(hub, monkeypatch, tmp_path):
     check_pretrained_folder("Qwen/Qwen2.5-0.5B-Instruct", "model.policy", "model")  # the hub answers: it exists
     assert hub.asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
