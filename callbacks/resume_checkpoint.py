@@ -14,7 +14,7 @@ import torch
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -262,6 +262,15 @@ class ResumeCheckpoint(ModelCheckpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "evaluation_reopened": self._evaluation_reopened}
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        step = checkpoint["global_step"]
+        if trainer.state.fn == TrainerFn.FITTING and 0 <= trainer.max_steps < step:  # Lightning would stop at once
+            rank_zero_warn(
+                f"resumed at step {step}, past trainer.max_steps={trainer.max_steps}: nothing to train. Raise "
+                f"trainer.max_steps above {step} to train on (gpo validate --ckpt_path last evaluates the checkpoint)."
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

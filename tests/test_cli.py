@@ -255,6 +255,27 @@ def test_gpos_own_refusal_of_a_setting_names_the_yaml_file_that_set_it(tmp_path,
     assert explained == (f"{message}\n(set in {config})" if named else message)
 
 
+def test_gpos_own_warnings_are_printed_as_words_and_other_libraries_as_python_prints_them():
+    """A warning of gpo's came with gpo's file, line number and a stray code line (``rank_zero_warn(``)."""
+    from pathlib import Path
+
+    import lightning
+
+    import gpo
+    from gpo.callbacks import resume_checkpoint
+    from gpo.cli import PYTHON_WARNING_FORM, gpo_warnings_in_words
+
+    form = gpo_warnings_in_words("gpo fit", PYTHON_WARNING_FORM)
+    for own in (Path(gpo.__file__).parent / "train" / "run_state.py", Path(resume_checkpoint.__file__)):
+        assert form("resumed with settings changed", UserWarning, str(own), 199) == (
+            "gpo fit: warning: resumed with settings changed\n"
+        )
+    other = str(Path(lightning.__file__).parent / "trainer" / "trainer.py")
+    assert form("a Lightning warning", UserWarning, other, 7, "x = 1") == PYTHON_WARNING_FORM(
+        "a Lightning warning", UserWarning, other, 7, "x = 1"
+    )
+
+
 def test_a_run_prints_nothing_a_user_cannot_act_on(root):
     """Lightning's cloud tips, its own pytree deprecation warning, its warnings about the data module's batch transfer
     and about the empty validation loader of a run without held-out prompts are left out of ``gpo fit``'s output (a

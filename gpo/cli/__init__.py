@@ -7,9 +7,14 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
 
 from jsonargparse import ArgumentError
 
+import gpo
 from gpo import lazy_exports
 from gpo.cli.blame import raised_in_user_code, with_owner
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
@@ -36,6 +41,9 @@ USER_ERRORS = (
     TimeoutError,
     FloatingPointError,
 )
+
+#: How Python prints a warning: its file, line number, category, message, and the line of code.
+PYTHON_WARNING_FORM = warnings.formatwarning
 
 #: ``OSError`` numbers of a disk that refuses to be written (read-only, not allowed, full, over quota): with the path
 #: in the message, which is what to fix.
@@ -94,13 +102,14 @@ def run(argv: list[str] | None = None) -> None:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     args = sys.argv[1:] if argv is None else argv
+    command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
+    warnings.formatwarning = gpo_warnings_in_words(command, PYTHON_WARNING_FORM)
     try:
         args = with_shipped_configs(args)
         main(args)
     except Exception as error:
         if not is_user_error(error) or os.environ.get("GPO_TRACEBACK"):
             raise
-        command = " ".join(["gpo", *(args[:1] if args[:1] and args[0] in (*SUBCOMMANDS, *COMMANDS) else [])])
         files = config_files(args)
         text = with_owner(explain(str(error), files, known_groups()), error)
         where = raised_in_user_code(error)
@@ -111,6 +120,19 @@ def run(argv: list[str] | None = None) -> None:
         print(f"{command}: error: {text}\n(GPO_TRACEBACK=1 shows the traceback; {command} --help lists {lists})",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
+
+
+def gpo_warnings_in_words(command: str, python_form: Callable[..., str]) -> Callable[..., str]:
+    """A ``warnings.formatwarning`` that prints gpo's own warnings as ``gpo fit: warning: MESSAGE`` (each says what
+    to do; the file and code line Python prints with it are gpo's insides) and others in ``python_form``."""
+    own = [Path(folder).resolve() for folder in (*gpo.__path__, *find_spec("gpo.callbacks").submodule_search_locations)]
+
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if any(Path(filename).resolve().is_relative_to(folder) for folder in own):
+            return f"{command}: warning: {message}\n"
+        return python_form(message, category, filename, lineno, line)
+
+    return format_warning
 
 
 def is_user_error(error: Exception) -> bool:

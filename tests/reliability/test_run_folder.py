@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import lightning as L
@@ -389,6 +390,17 @@ def test_sigterm_during_the_evaluation_after_the_last_step_says_how_to_evaluate_
     assert "stopped during the evaluation after the last step (6). Evaluate " in caplog.text
     assert "with `gpo validate --config ... --ckpt_path last`" in caplog.text
     assert fit_evaluated(Evaluated(batches=3), tmp_path, max_steps=8, ckpt_path="last") == [6, 6, 6, 8, 8, 8]
+
+
+def test_a_resume_past_max_steps_warns_that_nothing_trains(tmp_path):
+    """Lightning stops at once and says only that max_steps was reached; a resume at max_steps (a finished job run
+    again) says nothing more."""
+    fit_evaluated(Evaluated(), tmp_path, max_steps=4)
+    with pytest.warns(UserWarning, match=r"resumed at step 4, past trainer.max_steps=3: nothing to train\. Raise "):
+        fit_evaluated(Evaluated(), tmp_path, max_steps=3, ckpt_path="last")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resumed at step")
+        fit_evaluated(Evaluated(), tmp_path, max_steps=4, ckpt_path="last")
 
 
 # ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
