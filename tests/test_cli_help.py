@@ -539,3 +539,39 @@ def test_fit_counts_optimiser_steps_in_its_progress_bar_unless_told_otherwise(ti
     args += ["--data.val_path=null", f"--trainer.default_root_dir={tmp_path}", *extra]
     cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
     assert type(cli.trainer.progress_bar_callback) is bar
+
+
+@pytest.mark.parametrize("given", [None, "true", "7"])
+def test_seed_everything_true_draws_a_seed_and_says_which_and_the_default_is_0(tiny_assets, tmp_path, given, capsys):
+    """Lightning's help promised a random seed for true, and its seed_everything set 0 (with a warning, also for a
+    config without a seed); gpo draws one, prints it and records it in the run's settings."""
+    import os
+    import warnings
+
+    from gpo.cli import GPOCLI
+    from gpo.train.data import PromptDataModule
+    from gpo.train.module import GPOModule
+
+    model, data = tiny_assets
+    config = tmp_path / "no_seed.yaml"
+    config.write_text(f"model:\n  policy: {model}\n  rewards: [gpo.rewards.positional_match]\ndata:\n  path: {data}\n")
+    args = ["--config", str(config), "--data.val_path=null", f"--trainer.default_root_dir={tmp_path}"]
+    args += [] if given is None else [f"--seed_everything={given}"]
+    drawn = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
+            drawn.append(cli.config["seed_everything"])
+            assert os.environ["PL_GLOBAL_SEED"] == str(drawn[-1])  # what seeds the run
+    said = capsys.readouterr().err
+    if given == "true":
+        assert drawn[0] != drawn[1] and all(isinstance(seed, int) for seed in drawn)
+        assert f"seed_everything: true drew the seed {drawn[0]} (recorded in the run's config.yaml" in said
+    else:
+        assert drawn == [int(given or 0)] * 2 and "drew the seed" not in said
+    assert not [w for w in caught if "No seed found" in str(w.message)]
+
+
+def test_seed_everythings_help_says_what_true_does(fit_help):
+    assert "true draws one at random (printed, and recorded in the run's config.yaml)" in " ".join(fit_help.split())

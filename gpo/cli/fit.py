@@ -4,6 +4,7 @@ export) and configuration errors that name the key, the file and the fix."""
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +37,7 @@ class GPOCLI(LightningCLI):
         quiet_lightning()
         # gpo builds its optimiser from model.optim: Lightning's --optimizer / --lr_scheduler would be ignored
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("seed_everything_default", 0)  # what Lightning picks for True, said without its warning
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
         self.full_help = isinstance(argv, list | tuple) and helptext.FULL_HELP in argv
@@ -74,9 +76,10 @@ class GPOCLI(LightningCLI):
             subparser_kwargs.setdefault(name, {}).setdefault("description", helptext.description(line))
         main_kwargs.setdefault("prog", "gpo")  # not python -m gpo.cli's __main__.py
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        if self.focused_help:  # every argument is added now, --ckpt_path included
-            names = helptext.SUBCOMMANDS if add_subcommands else [None]  # None: a CLI built with run=False
-            for name in names:
+        names = helptext.SUBCOMMANDS if add_subcommands else [None]  # None: a CLI built with run=False
+        for name in names:  # every argument is added now, --seed_everything and --ckpt_path included
+            helptext.describe_seed(self._parser(name))
+            if self.focused_help:
                 helptext.focus(self._parser(name), name or "fit")
 
     def parse_arguments(self, parser, args) -> None:
@@ -84,6 +87,12 @@ class GPOCLI(LightningCLI):
             helptext.check_class_help(args)
             args = ["--help" if arg == helptext.FULL_HELP else arg for arg in args]
         self.config = parser.parse_args(args)
+        subcommand = self.config.get("subcommand")
+        settings = self.config[subcommand] if subcommand else self.config
+        if settings.get("seed_everything") is True:  # a seed drawn at random, as the help says (Lightning's is 0)
+            settings["seed_everything"] = secrets.randbelow(2**31)
+            print(f"seed_everything: true drew the seed {settings['seed_everything']} (recorded in the run's "
+                  "config.yaml; give it as --seed_everything to replay the run)", file=sys.stderr)  # fmt: skip
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments(("model.policy", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_folder)

@@ -42,6 +42,10 @@ CONFIG_HELP = (
     "a YAML file, or the name of a config shipped with gpo (e.g. quickstart, dapo); give --config several times to "
     "combine files, later ones overriding earlier ones."
 )
+SEED_HELP = (
+    "the run's seed, which sets the data order, the sampling and a LoRA adapter's initial weights (the same seed "
+    "replays the run); true draws one at random (printed, and recorded in the run's config.yaml); false seeds nothing"
+)
 #: ``--ckpt_path`` of each subcommand, as gpo uses it (Lightning's text offers ``best``, ``hpc`` and ``registry``).
 CKPT_PATH_HELP = {
     "fit": "continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run with none yet starts from "
@@ -159,6 +163,14 @@ def describe_config(parser: ArgumentParser) -> None:
     for action in parser._actions:
         if "--config" in action.option_strings:
             action.help = CONFIG_HELP
+
+
+def describe_seed(parser: ArgumentParser) -> None:
+    """``--seed_everything`` as gpo takes it (``gpo.cli.fit.GPOCLI``): Lightning's text promises a random seed for
+    true, which its ``seed_everything`` turns into 0."""
+    for action in parser._actions:
+        if "--seed_everything" in action.option_strings:
+            action.help = SEED_HELP
 
 
 def focus(parser: ArgumentParser, subcommand: str) -> None:
