@@ -116,6 +116,32 @@ def test_the_small_commands_help_is_plain_text_with_every_option_described(name)
             assert after.strip() and not after.strip().startswith("--"), (line, text)
 
 
+def test_gpo_version_and_python_m_gpo(capsys):
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from gpo.cli import main
+
+    main(["--version"])
+    assert capsys.readouterr().out == f"gpo {metadata.version('gpo')}\n"
+    done = subprocess.run([sys.executable, "-m", "gpo", "-V"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"gpo {metadata.version('gpo')}\n"), done.stderr
+
+
+def test_ctrl_c_outside_a_fit_stops_with_one_line_and_130(monkeypatch, capsys):
+    """While libraries import or a model loads; it printed a traceback of some 80 lines from the imports."""
+    import gpo.cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(gpo.cli.COMMANDS, "tiny", (interrupted, "..."))
+    with pytest.raises(SystemExit) as stopped:
+        gpo.cli.run(["tiny", "out"])
+    assert stopped.value.code == 130 and capsys.readouterr().err == "\ngpo tiny: stopped (Ctrl-C)\n"
+
+
 def test_fit_help_says_how_to_reach_everything_it_does_not_show(fit_help):
     assert "gpo fit --help-all" in fit_help
     for group in ("optim", "evaluation", "lora", "kl", "reward_errors", "engine", "algorithm"):
@@ -427,9 +453,11 @@ def test_a_misplaced_part_given_as_flags_gets_the_slot_it_belongs_in(capsys):
 
 
 def test_a_preset_class_without_its_required_setting_names_the_flag(capsys):
-    err = fit_error(capsys, "--model.algorithm", "DRO")
-    assert "the following arguments are required: beta" in err, err
-    assert "give --model.algorithm.beta VALUE, or start from the preset's shipped config (--config dppo" in err, err
+    for preset, setting in [("DRO", "beta"), ("DPPO", "threshold")]:  # each preset's own config, not every one's
+        err = fit_error(capsys, "--model.algorithm", preset)
+        assert f"the following arguments are required: {setting}" in err, err
+        config = f"--config {preset.lower()}"
+        assert f"give --model.algorithm.{setting} VALUE, or start from the preset's shipped config ({config}).\n" in err
     err = fit_error(capsys, "--model.algorithm", "Custom", "--model.algorithm.gate", "DROGate")  # a part's setting
     assert "give --model.algorithm.gate.beta VALUE.\n" in err, err
 

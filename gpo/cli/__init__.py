@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(overview())
         return
+    if args[0] in ("-V", "--version"):
+        print(f"gpo {metadata.version('gpo')}")
+        return
     if args[0] in COMMANDS:
         COMMANDS[args[0]][0](args[1:])
         return
@@ -88,7 +92,7 @@ def overview() -> str:
             "commands:",
             *(f"  {name:<{width}}{line}" for name, line in lines.items()),
             "",
-            "gpo COMMAND --help shows a command's options; docs/cli.md has more.",
+            "gpo COMMAND --help shows a command's options; docs/cli.md has more. gpo --version: the version.",
         ]
     )
 
@@ -107,6 +111,9 @@ def run(argv: list[str] | None = None) -> None:
     try:
         args = with_shipped_configs(args)
         main(args)
+    except KeyboardInterrupt:  # before or after a fit (a fit stops at Ctrl-C itself): while libraries import, say
+        print(f"\n{command}: stopped (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, what shells report
     except Exception as error:
         if not is_user_error(error) or os.environ.get("GPO_TRACEBACK"):
             raise

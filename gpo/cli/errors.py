@@ -56,6 +56,8 @@ _OWNER = re.compile(r"Problem with given class_path '([\w.]+)':\s*Parser key \"(
 _ABSTRACT_TYPE = re.compile(r"Expected an instantiatable class, but ([\w.]+) is abstract")
 #: How gpo's own checks start a message about a setting: ``model.group_size=1: ...``, ``data.path: ...``.
 _OWN_SETTING = re.compile(r"((?:model|data|trainer)(?:\.\w+)+)(?:=('[^']*'|\"[^\"]*\"|[^\s:]+))?:")
+_NO_GPU = "No supported gpu backend found"
+_NO_GPU_FIX = "torch sees no GPU here: set --trainer.accelerator cpu, or auto (which takes what the machine has)."
 _YAML_PROBLEM = "Problems parsing config"
 _REQUIRED = re.compile(r"the following arguments are required: (.+)$", re.MULTILINE)  # settings without a default
 _NO_VALUE = "Given value: None"  # a required setting that no config and no flag gives
@@ -71,6 +73,8 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
     moved = [f"{old} moved: use {new}." for old, new in MOVED_PATHS.items() if old.lower() in message.lower()]
     if message.startswith(_YAML_PROBLEM):
         return _yaml_problem(message, config_files)
+    if message.startswith(_NO_GPU):  # Lightning's words for trainer.accelerator: gpu on a machine without one
+        return f"trainer.accelerator: {message} {_NO_GPU_FIX}"
     if not any(marker in message for marker in JSONARGPARSE_MARKERS):  # gpo's own check: it names key and fix
         own = _OWN_SETTING.match(message)
         source = own and file_holding(own.group(1), config_files, own.group(2) and own.group(2).strip("'\""))
@@ -219,6 +223,11 @@ def _yaml_problem(message: str, config_files: Iterable[str]) -> str:
     return message
 
 
+def _required_parameters(cls: type) -> set[str]:
+    """The parameters of ``cls`` without a default."""
+    return {name for name, p in inspect.signature(cls).parameters.items() if p.default is inspect.Parameter.empty}
+
+
 def _at(text: str | None, mark: yaml.Mark | None) -> str:
     """``text at line L, column C`` (1-based); nothing when the YAML parser gave no text."""
     return f"{text} at line {mark.line + 1}, column {mark.column + 1}" if text and mark is not None else text or ""
@@ -235,10 +244,10 @@ def _algorithm_hints(key: str, message: str) -> list[str]:
     if required:
         names = [name.strip() for name in required.group(1).split(",")]
         flags = " ".join(f"--{key.replace('.init_args.', '.')}.{name} VALUE" for name in names)
-        without_defaults = ", ".join(
-            f"--config {cls.__name__.lower()}" for cls in PRESETS if cls not in ALGORITHMS.values()
-        )
-        shipped = f", or start from the preset's shipped config ({without_defaults})"
+        unnamed = [cls for cls in PRESETS if cls not in ALGORITHMS.values()]  # presets taken by class, not by name
+        asking = [cls for cls in unnamed if set(names) <= _required_parameters(cls)] or unnamed
+        configs = ", ".join(f"--config {cls.__name__.lower()}" for cls in asking)
+        shipped = f", or start from the preset's shipped config ({configs})"
         return [f"give {flags}{shipped if key == 'model.algorithm' else ''}."]
     named = _IMPORT_PATH.search(message)
     if named is None:

@@ -163,7 +163,7 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; restored after
             # No tokenizer in vLLM: prompts go in and completions come out as token ids. Its start still warms up a
             # chat template and prints the failure's traceback (no tokenizer), for a template gpo never uses.
-            drop_messages("vllm.renderers.base", "Chat template warmup failed")
+            drop_messages("vllm.renderers.base", "Chat template warmup failed", "Using None for (EOS|BOS) token id")
             self.llm = LLM(
                 model=folder, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **self.engine_args
             )
