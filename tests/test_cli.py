@@ -235,6 +235,15 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
     assert "unknown setting model.knobs.use_ppo_clip" in err and f"(set in {old})" in err, err
 
 
+def test_a_gpu_asked_for_on_a_machine_without_one_names_the_setting_and_the_fix():
+    from gpo.cli.errors import explain
+
+    assert explain("No supported gpu backend found!") == (
+        "trainer.accelerator: No supported gpu backend found! torch sees no GPU here: set --trainer.accelerator cpu, "
+        "or auto (which takes what the machine has)."
+    )
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "message", "named"),
     [
@@ -245,15 +254,6 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
         ("model:\n  group_size: 1\n", "the reward function failed: model.group_size", False),  # not about a setting
     ],
 )
-def test_a_gpu_asked_for_on_a_machine_without_one_names_the_setting_and_the_fix():
-    from gpo.cli.errors import explain
-
-    assert explain("No supported gpu backend found!") == (
-        "trainer.accelerator: No supported gpu backend found! torch sees no GPU here: set --trainer.accelerator cpu, "
-        "or auto (which takes what the machine has)."
-    )
-
-
 def test_gpos_own_refusal_of_a_setting_names_the_yaml_file_that_set_it(tmp_path, yaml_text, message, named):
     """jsonargparse's errors named the file (above); gpo's own checks, run after parsing, did not."""
     from gpo.cli.errors import explain
