@@ -100,15 +100,33 @@ ENGINES = (
 )
 
 
-def part_classes(part: str) -> list[str]:
-    """The classes gpo ships for ``part``, one of the parts whose kind is an abstract base: ``engine`` (by import
-    path), ``mixer`` and ``algorithm`` (by name: ``gpo.algo`` exports them)."""
-    import gpo.algo
+#: The settings whose type is an abstract base, with the module whose classes they take and that base's name there;
+#: gpo.algo's classes are given by name, the others by import path.
+ABSTRACT_SETTINGS = {
+    "model.mixer": ("gpo.algo", "RewardMixer"),
+    "model.algorithm": ("gpo.algo", "Algorithm"),
+    "model.token_weights": ("gpo.algo", "TokenWeight"),
+    "model.masks": ("gpo.algo", "TokenMask"),
+    "model.teacher": ("gpo.models.teacher", "Teacher"),
+    "data.path": ("gpo.tasks", "GeneratedTask"),
+    "data.val_path": ("gpo.tasks", "GeneratedTask"),
+}
+#: Nested settings whose ``.help`` shows nothing a person sets (a loaded model or tokenizer object): not offered.
+NO_NESTED_HELP = ("--model.policy.help", "--model.tokenizer.help")
 
-    if part == "engine":
+
+def setting_classes(setting: str) -> list[str]:
+    """The classes gpo ships for ``setting`` (``model.engine`` or one of ``ABSTRACT_SETTINGS``), as a config names
+    them."""
+    if setting == "model.engine":
         return list(ENGINES)
-    base = {"mixer": gpo.algo.RewardMixer, "algorithm": gpo.algo.Algorithm}[part]
-    return [name for name in gpo.algo.__all__ if _concrete_subclass(getattr(gpo.algo, name), base)]
+    module_name, base_name = ABSTRACT_SETTINGS[setting]
+    module = importlib.import_module(module_name)
+    base = getattr(module, base_name)
+    if module_name == "gpo.algo":
+        return [name for name in module.__all__ if _concrete_subclass(getattr(module, name), base)]
+    defined = [m for m in vars(module).values() if _concrete_subclass(m, base) and m.__module__ == module_name]
+    return [f"{module_name}.{cls.__name__}" for cls in defined]
 
 
 def _concrete_subclass(member: object, base: type) -> bool:
@@ -116,17 +134,16 @@ def _concrete_subclass(member: object, base: type) -> bool:
 
 
 def check_class_help(args: Sequence[str]) -> None:
-    """Refuse ``--model.engine.help`` (``mixer``, ``algorithm``) given no class, naming the classes there are:
-    jsonargparse then shows the help of the abstract base, which has no settings."""
+    """``--model.engine.help`` (or another setting whose type is an abstract base) given no class: print the classes
+    there are and exit, for jsonargparse would show the help of the abstract base, which has no settings."""
     for index, arg in enumerate(args):
-        part = arg.removeprefix("--model.").removesuffix(".help")
+        setting = arg.removeprefix("--").removesuffix(".help")
         given = index + 1 < len(args) and not args[index + 1].startswith("-")
-        if arg == f"--model.{part}.help" and part in ("engine", "mixer", "algorithm") and not given:
-            classes = part_classes(part)
-            raise ValueError(
-                f"{arg} takes a class, as in gpo fit {arg} {classes[0].rpartition('.')[2]}; the {part} classes gpo "
-                f"ships: {', '.join(classes)} (a class of one's own by its import path)."
-            )
+        if arg == f"--{setting}.help" and (setting == "model.engine" or setting in ABSTRACT_SETTINGS) and not given:
+            classes = setting_classes(setting)
+            print(f"The {setting} classes gpo ships: {', '.join(classes)} (a class of one's own by its import path)."
+                  f"\n{arg} takes one of them, as in gpo fit {arg} {classes[0].rpartition('.')[2]}")  # fmt: skip
+            raise SystemExit(0)
 
 
 def reward_class(value: str, label: str) -> type:
@@ -227,8 +244,9 @@ def epilog(parser: ArgumentParser) -> str:
 
 
 def _nested_help(flag: str) -> bool:
-    """A ``--model.X.help`` / ``--data.X.help`` flag: the help of a nested group or class (not the trainer's)."""
-    return flag.endswith(".help") and flag.startswith(("--model.", "--data."))
+    """A ``--model.X.help`` / ``--data.X.help`` flag: the help of a nested group or class (not the trainer's, nor
+    ``NO_NESTED_HELP``)."""
+    return flag.endswith(".help") and flag.startswith(("--model.", "--data.")) and flag not in NO_NESTED_HELP
 
 
 def _wrap(text: str, width: int = 100) -> str:
