@@ -196,7 +196,7 @@ def focus(parser: ArgumentParser, subcommand: str) -> None:
     with ``epilog`` below."""
     for action in parser._actions:
         trainer_flag = any(flag == "--trainer" or flag.startswith("--trainer.") for flag in action.option_strings)
-        if trainer_flag and action.dest not in TRAINER_KEYS:
+        if (trainer_flag and action.dest not in TRAINER_KEYS) or set(action.option_strings) & set(NO_NESTED_HELP):
             action.help = argparse.SUPPRESS
         if action.dest == "ckpt_path":
             action.help = CKPT_PATH_HELP[subcommand]
