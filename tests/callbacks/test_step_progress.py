@@ -2,6 +2,7 @@
 
 import io
 import logging
+import sys
 
 import lightning as L
 import pytest
@@ -50,10 +51,10 @@ class Seen(L.Callback):
         self.rows.append((bar.n, bar.total, trainer.global_step))
 
 
-def fit(tmp_path, bar, max_steps, ckpt_path=None):
+def fit(tmp_path, bar, max_steps, ckpt_path=None, max_epochs=None):
     seen = Seen()
     trainer = L.Trainer(
-        max_steps=max_steps, callbacks=[bar, seen], logger=False, enable_model_summary=False,
+        max_steps=max_steps, max_epochs=max_epochs, callbacks=[bar, seen], logger=False, enable_model_summary=False,
         default_root_dir=tmp_path, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(TwoStepsPerBatch(), ckpt_path=ckpt_path)
@@ -66,6 +67,7 @@ def test_the_bar_counts_optimiser_steps_out_of_max_steps_across_epochs(tmp_path)
     assert rows == [(2 * batch, 14, 2 * batch) for batch in range(1, 8)]
     bar = trainer.progress_bar_callback.train_progress_bar
     assert bar.desc.startswith("Epoch 1, step") and "reward=0.5" in bar.postfix, (bar.desc, bar.postfix)
+    assert bar.initial == 0  # the count, its rate and its elapsed time run on over the second epoch, not restarted
 
 
 class Redraws(L.Callback):
@@ -87,15 +89,24 @@ class Redraws(L.Callback):
 
 # Lightning's bar also redraws when an epoch ends (after steps 10 and 14, the second epoch cut short by max_steps)
 @pytest.mark.parametrize(
-    ("interval_s", "redrawn"), [(0.0, [2, 4, 6, 8, 10, 10, 12, 14, 14]), (3600.0, [2, 10, 14, 14])]
+    ("interval_s", "refresh_rate", "max_steps", "redrawn"),
+    [
+        (0.0, 1, 14, [2, 4, 6, 8, 10, 10, 12, 14, 14]),
+        (3600.0, 1, 14, [2, 10, 14, 14]),
+        (0.0, 3, 14, [6, 10, 14, 14]),  # the third batch of each epoch (the second epoch has 2), and the last step
+        (3600.0, 1, 13, [2, 10, 14, 14]),  # the last batch's second step goes past max_steps: still the last step
+    ],
 )
-def test_the_bar_is_redrawn_at_most_every_interval_and_at_the_last_step(tmp_path, monkeypatch, interval_s, redrawn):
+def test_the_bar_is_redrawn_at_most_every_interval_and_at_the_last_step(
+    tmp_path, monkeypatch, interval_s, refresh_rate, max_steps, redrawn
+):
     """Redraws cost about 0.3 ms each (metrics to the host, formatted, written): a fast run's bar is redrawn every
     ``REDRAW_INTERVAL_S`` seconds, at its first batch and at its last step, while its count moves every batch."""
     monkeypatch.setattr(gpo.callbacks.step_progress, "REDRAW_INTERVAL_S", interval_s)
     redraws, seen = Redraws(), Seen()
     trainer = L.Trainer(
-        max_steps=14, callbacks=[StepProgressBar(), redraws, seen], logger=False, enable_model_summary=False,
+        max_steps=max_steps, callbacks=[StepProgressBar(refresh_rate), redraws, seen], logger=False,
+        enable_model_summary=False,
         default_root_dir=tmp_path, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(TwoStepsPerBatch())
@@ -108,6 +119,13 @@ def test_lightnings_own_bar_counts_batches_of_the_epoch_instead(tmp_path):
     # what StepProgressBar replaces: totals capped at the steps left, counts restarting every epoch
     _, rows = fit(tmp_path, TQDMProgressBar(), max_steps=14)
     assert [(n, total) for n, total, _ in rows] == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5), (1, 4), (2, 4)]
+
+
+@pytest.mark.parametrize("bar", [TQDMProgressBar, StepProgressBar])
+def test_without_max_steps_the_bar_is_lightnings_counting_the_batches_of_each_epoch(tmp_path, bar):
+    trainer, rows = fit(tmp_path, bar(), max_steps=-1, max_epochs=2)
+    assert [(n, total) for n, total, _ in rows] == [(batch, 5) for batch in range(1, 6)] * 2
+    assert trainer.progress_bar_callback.train_progress_bar.desc.startswith("Epoch 1")
 
 
 class SaveAtStep(L.Callback):
@@ -148,14 +166,28 @@ class FailsAtBatch3(TwoStepsPerBatch):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, capsys):
-    """gpo prints the error next: on a line of its own, not after the bar's last redraw."""
+class FailsInSanityCheck(TwoStepsPerBatch):
+    """Fails in Lightning's sanity check, whose bar (not kept on screen) is the only one drawn."""
+
+    def validation_step(self, batch, batch_idx):
+        raise ValueError("a reward function failed")
+
+    def val_dataloader(self):
+        return DataLoader(torch.randn(2, 2), batch_size=1)
+
+
+@pytest.mark.parametrize(("module", "drawn"), [(FailsAtBatch3, "Epoch 0, step"), (FailsInSanityCheck, "Sanity Check")])
+def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, capsys, monkeypatch, module, drawn):
+    """gpo prints the error next: on a line of its own, not after the bar's last redraw (a bar kept on screen ends
+    its line when closed, one cleared from it gets a line end written); gpo's warnings go back to logging's own."""
+    monkeypatch.setattr(logging.root, "handlers", [])  # as outside pytest: the bar adds its handler for gpo's warnings
     trainer = L.Trainer(max_steps=20, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False,
                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
     with pytest.raises(ValueError, match="a reward function failed"):
-        trainer.fit(FailsAtBatch3())
+        trainer.fit(module())
     out = capsys.readouterr().out
-    assert "step" in out and out.endswith("\n") and not out.endswith("\n\n"), repr(out[-200:])
+    assert drawn in out and out.endswith("\n") and not out.endswith("\n\n"), repr(out[-200:])
+    assert not logging.getLogger("gpo").handlers  # Lightning calls no teardown after an error
 
 
 class WarnsAtBatch3(TwoStepsPerBatch):
@@ -197,3 +229,16 @@ def test_other_callbacks_refuse_settings_of_the_wrong_kind_when_built(make, mess
     """Given in Python, no parser checks them: each failed later (or never: a float step count) far from the setting."""
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_warning_during_the_run_is_written_once_to_stderr(tmp_path, capsys, monkeypatch, configured):
+    """Whether gpo's bar writes it (no logging set up) or the handler the user set up does, alone (not both); 8 steps:
+    the first epoch's 4 batches, the warning given at its fourth."""
+    handlers = [logging.StreamHandler(sys.stderr)] if configured else []  # sys.stderr: pytest's capture here
+    monkeypatch.setattr(logging.root, "handlers", handlers)
+    trainer = L.Trainer(max_steps=8, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(WarnsAtBatch3())
+    out, err = capsys.readouterr()
+    assert err.count("vLLM server X stopped answering") == 1 and "vLLM server" not in out, (out[-300:], err[-300:])

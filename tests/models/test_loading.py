@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -14,7 +15,7 @@ import huggingface_hub.constants
 import pytest
 from huggingface_hub import HfApi
 
-from gpo.models.loading import check_pretrained_folder
+from gpo.models.loading import TOKENIZER_FILES, check_pretrained_folder, pretrained_path
 from tests.ports import free_port
 
 MISSPELT = ["Qwen/Qwen2.5-0.5B-Instruc", "mdoel"]  # both look like hub ids
@@ -40,16 +41,17 @@ def hub(monkeypatch, tmp_path):
 
 
 @contextlib.contextmanager
-def hub_that_knows_no_model() -> Iterator[tuple[list[str], str]]:
+def stand_in_hub(status: int = 404, error_code: str = "RepoNotFound") -> Iterator[tuple[list[str], str]]:
     """A local stand-in for the hub's API answering every request 404 ``RepoNotFound``, as the hub does for an
-    unknown id; yields the paths asked for and its address. The hub library's own client talks to it."""
+    unknown id (or ``status`` with ``error_code``); yields the paths asked for and its address. The hub library's own
+    client talks to it."""
     asked = []
 
     class NotFound(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             asked.append(self.path)
-            self.send_response(404)
-            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_response(status)
+            self.send_header("X-Error-Code", error_code)
             self.send_header("Content-Length", "0")
             self.end_headers()
 
@@ -71,7 +73,8 @@ def refused_at_once(path: str, field: str = "model.policy", kind: str = "model")
         check_pretrained_folder(path, field, kind)
     assert time.perf_counter() - started < 2.0
     message = str(raised.value)
-    assert f"{field}={path!r} is not a local folder" in message and "save_pretrained" in message, message
+    assert f"{field}={path!r} is not a local folder (looked for {Path.cwd() / path})" in message, message
+    assert "save_pretrained" in message, message
     return message
 
 
@@ -84,7 +87,7 @@ def test_offline_a_misspelt_path_fails_at_once_without_asking_the_hub(hub, monke
 
 @pytest.mark.parametrize("path", MISSPELT)
 def test_an_id_the_hub_does_not_know_fails_at_once(hub, monkeypatch, path):
-    with hub_that_knows_no_model() as (asked, url):
+    with stand_in_hub() as (asked, url):
         monkeypatch.setattr(huggingface_hub, "model_info", HfApi(endpoint=url).model_info)
         assert "no model on the hub has that id" in refused_at_once(path, "data.tokenizer", "tokenizer")
     assert [request.split("?")[0] for request in asked] == [f"/api/models/{path}"]
@@ -118,6 +121,56 @@ def test_a_misspelt_model_folder_gets_the_closest_folder_beside_it(tmp_path, mon
         check_pretrained_folder("runs/tiny/zzz", "model.policy", "model")  # nothing close
 
 
+@pytest.mark.parametrize(
+    ("status", "error_code"),
+    [(403, "GatedRepo"), (503, "")],  # it exists (the download says what access it needs); the download retries it
+)
+def test_an_id_the_hub_answers_for_with_another_error_than_not_found_goes_on(hub, monkeypatch, status, error_code):
+    with stand_in_hub(status, error_code) as (asked, url):
+        monkeypatch.setattr(huggingface_hub, "model_info", HfApi(endpoint=url).model_info)
+        check_pretrained_folder("org/gated", "model.policy", "model")
+    assert [request.split("?")[0] for request in asked] == ["/api/models/org/gated"]
+
+
+def test_a_hub_lookup_that_fails_in_the_network_is_refused_with_its_error(hub):
+    hub.answer = TimeoutError("timed out")  # an OSError: what a socket raises
+    assert "the hub could not be reached to look it up (TimeoutError: timed out)" in refused_at_once("org/name")
+
+
+@pytest.mark.parametrize("path", ["runs/tiny/model", "my model", "org/.name"])
+def test_a_missing_path_that_is_no_hub_id_is_refused_as_a_missing_folder_without_asking(
+    hub, monkeypatch, tmp_path, path
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as raised:
+        check_pretrained_folder(path, "model.policy", "model")
+    assert f"model.policy={path!r}: no such folder (looked for {tmp_path.resolve() / path})" in str(raised.value)
+    assert hub.asked == []
+
+
+def test_a_folder_under_home_is_found_and_a_file_is_refused_as_no_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    check_pretrained_folder("~/model", "model.policy", "model")
+    with pytest.raises(FileNotFoundError, match=r"model.policy='~/model/config.json' is a file, not a .gguf model"):
+        check_pretrained_folder("~/model/config.json", "model.policy", "model")
+
+
+@pytest.mark.parametrize("name", TOKENIZER_FILES)
+def test_a_tokenizer_folder_needs_one_of_the_tokenizer_files_only(tmp_path, name):
+    (tmp_path / name).write_text("{}")
+    check_pretrained_folder(str(tmp_path), "model.tokenizer", "tokenizer")
+
+
+def test_a_local_folder_is_loaded_by_its_absolute_path_and_a_hub_id_as_given(monkeypatch, tmp_path):
+    """The model remembers the path as its name_or_path, which an exported adapter records for its base model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "model").mkdir(parents=True)
+    assert pretrained_path("runs/model", "model.policy") == str(tmp_path.resolve() / "runs" / "model")
+    assert pretrained_path("org/name", "model.policy") == "org/name"
+
+
 def test_an_id_the_hub_knows_or_the_cache_holds_goes_on(hub, monkeypatch, tmp_path):
     check_pretrained_folder("Qwen/Qwen2.5-0.5B-Instruct", "model.policy", "model")  # the hub answers: it exists
     assert hub.asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
@@ -126,6 +179,9 @@ def test_an_id_the_hub_knows_or_the_cache_holds_goes_on(hub, monkeypatch, tmp_pa
     (snapshot / "config.json").write_text("{}")
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    no_exist = snapshot.parents[1] / ".no_exist" / ("0" * 40)  # the hub cache's record of a file the repo lacks
+    no_exist.mkdir(parents=True)
+    (no_exist / "tokenizer.json").write_text("")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     check_pretrained_folder("org/cached", "model.policy", "model")  # offline, from the cache
     with pytest.raises(FileNotFoundError, match="is not in the hub cache"):

@@ -45,6 +45,7 @@ def test_full_weights_are_the_state_dict_with_tied_weights_under_both_names():
         ("model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
         ("model.layers.1.mlp.up_proj.base_layer.weight", "model.layers.1.mlp.up_proj.weight"),
         ("_orig_mod.model.norm.weight", "model.norm.weight"),
+        ("model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
         ("lm_head.modules_to_save.default.weight", "lm_head.weight"),
     ],
 )
@@ -52,12 +53,18 @@ def test_checkpoint_name_removes_wrapper_segments(name, expected):
     assert checkpoint_name(name) == expected
 
 
-def test_lora_weights_are_merged_aside_like_peft_merge_and_unload():
-    policy = add_lora(tiny_model(), LoraSettings(r=4, alpha=8, dropout=0.0))
-    with torch.no_grad():  # a trained adapter: B is zero at initialisation, which would merge to nothing
+def trained(policy):
+    """As after training: B (zero at initialisation, which would merge to nothing) and the copies peft trains in
+    place of a ``modules_to_save`` module changed."""
+    with torch.no_grad():
         for name, parameter in policy.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or ".modules_to_save." in name:
                 parameter.normal_(0, 0.1)
+    return policy
+
+
+def test_lora_weights_are_merged_aside_like_peft_merge_and_unload():
+    policy = trained(add_lora(tiny_model(), LoraSettings(r=4, alpha=8, dropout=0.0)))
     before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
     weights = checkpoint_weights(policy)
     merged = copy.deepcopy(policy).merge_and_unload()
@@ -66,6 +73,27 @@ def test_lora_weights_are_merged_aside_like_peft_merge_and_unload():
         weights["model.layers.0.self_attn.q_proj.weight"], tiny_model().model.layers[0].self_attn.q_proj.weight
     )
     assert all(torch.equal(before[name], tensor) for name, tensor in policy.state_dict().items())
+    assert not any(tensor.requires_grad for tensor in weights.values())  # no autograd graph kept with them
+
+
+def test_every_active_adapter_is_merged_where_it_adapts_and_a_saved_module_by_its_trained_copy():
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["norm"]), "a")
+    policy.add_adapter("b", LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    policy.base_model.set_adapter(["a", "b"])
+    trained(policy)
+    merged = copy.deepcopy(policy).merge_and_unload()  # adds the deltas in another order: equal to rounding
+    torch.testing.assert_close(checkpoint_weights(policy), merged.state_dict())
+
+
+def test_a_bfloat16_policy_with_its_adapter_in_float32_gives_bfloat16_weights():
+    torch.manual_seed(0)
+    policy = trained(add_lora(tiny_model().to(torch.bfloat16), LoraSettings(r=4, alpha=8, dropout=0.0)))
+    assert policy.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight.dtype == torch.float32
+    merged = copy.deepcopy(policy).merge_and_unload()
+    # dtypes too; values to bfloat16's rounding: the delta (about 0.1) is rounded before it is added, not after
+    torch.testing.assert_close(checkpoint_weights(policy), merged.state_dict(), atol=2**-8, rtol=2**-7)
 
 
 def test_a_dora_adapter_is_refused_naming_the_layer():
