@@ -111,7 +111,7 @@ class StepProgressBar(TQDMProgressBar):
         logging.getLogger("gpo").removeHandler(self._above)  # Lightning calls no teardown after an error
         bars = (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar)
         drawn = [bar for bar in bars if bar is not None and not bar.disable]
-        for bar in drawn:
+        for bar in reversed(drawn):  # the lowest first (an evaluation's, below the training bar), then up
             bar.close()  # a bar kept on screen (leave) ends its line; one that is not is cleared from it
         cleared = [bar for bar in drawn if not bar.leave]
         if cleared and len(cleared) == len(drawn):

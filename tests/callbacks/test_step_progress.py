@@ -176,13 +176,30 @@ class FailsInSanityCheck(TwoStepsPerBatch):
         return DataLoader(torch.randn(2, 2), batch_size=1)
 
 
-@pytest.mark.parametrize(("module", "drawn"), [(FailsAtBatch3, "Epoch 0, step"), (FailsInSanityCheck, "Sanity Check")])
-def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(tmp_path, capsys, monkeypatch, module, drawn):
+class FailsInAnEvaluation(FailsInSanityCheck):
+    """Fails in the evaluation after step 4, whose bar is drawn below the training bar (kept on screen)."""
+
+    def validation_step(self, batch, batch_idx):
+        if self.trainer.global_step >= 4 and batch_idx == 1:
+            raise ValueError("a reward function failed")
+
+
+@pytest.mark.parametrize(
+    ("module", "drawn", "settings"),
+    [
+        (FailsAtBatch3, "Epoch 0, step", {}),
+        (FailsInSanityCheck, "Sanity Check", {}),
+        (FailsInAnEvaluation, "Validation", {"val_check_interval": 2, "num_sanity_val_steps": 0}),
+    ],
+)
+def test_a_run_that_fails_leaves_the_bar_line_ended_for_the_error(
+    tmp_path, capsys, monkeypatch, module, drawn, settings
+):
     """gpo prints the error next: on a line of its own, not after the bar's last redraw (a bar kept on screen ends
     its line when closed, one cleared from it gets a line end written); gpo's warnings go back to logging's own."""
     monkeypatch.setattr(logging.root, "handlers", [])  # as outside pytest: the bar adds its handler for gpo's warnings
     trainer = L.Trainer(max_steps=20, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+                        enable_model_summary=False, default_root_dir=tmp_path, **settings)  # fmt: skip
     with pytest.raises(ValueError, match="a reward function failed"):
         trainer.fit(module())
     out = capsys.readouterr().out
