@@ -61,8 +61,8 @@ def checkpoint_weights(policy: torch.nn.Module) -> dict[str, Tensor]:
         if ".lora_" in name or ".original_module." in name:
             continue
         tensor = full_tensor(parameter.detach())
-        if name in deltas:
-            tensor = tensor + full_tensor(deltas[name]).to(tensor.dtype)
+        if name in deltas:  # added in the wider dtype of the two, then rounded once (as peft's merge does)
+            tensor = (tensor + full_tensor(deltas[name])).to(tensor.dtype)
         weights[checkpoint_name(name)] = tensor
     return weights
 

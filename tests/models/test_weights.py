@@ -92,8 +92,9 @@ def test_a_bfloat16_policy_with_its_adapter_in_float32_gives_bfloat16_weights():
     policy = trained(add_lora(tiny_model().to(torch.bfloat16), LoraSettings(r=4, alpha=8, dropout=0.0)))
     assert policy.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight.dtype == torch.float32
     merged = copy.deepcopy(policy).merge_and_unload()
-    # dtypes too; values to bfloat16's rounding: the delta (about 0.1) is rounded before it is added, not after
-    torch.testing.assert_close(checkpoint_weights(policy), merged.state_dict(), atol=2**-8, rtol=2**-7)
+    # dtypes and values: the float32 delta added, then rounded once (rounded before it was added, about 1.6% of the
+    # elements came out one bfloat16 step away, and the engine sampled other weights than gpo export wrote)
+    torch.testing.assert_close(checkpoint_weights(policy), merged.state_dict(), atol=0, rtol=0)
 
 
 def test_a_dora_adapter_is_refused_naming_the_layer():
