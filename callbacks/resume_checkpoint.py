@@ -274,6 +274,9 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        moved_from = state_dict.get("dirpath")
+        if moved_from and self.dirpath and moved_from != self.dirpath:  # a run folder moved or copied, then resumed
+            state_dict = moved_checkpoint_paths(state_dict, Path(moved_from), Path(self.dirpath))
         super().load_state_dict(state_dict)
         self._evaluation_reopened = state_dict.get("evaluation_reopened", False)  # absent: written before 2026-11-28
 
@@ -301,3 +304,17 @@ def reopen_evaluation(trainer: Trainer) -> None:
     one_started = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
     progress.total.load_state_dict({name: before + count for name, count in one_started.items()})
     progress.current.load_state_dict(one_started)
+
+
+def moved_checkpoint_paths(state: dict[str, Any], old: Path, new: Path) -> dict[str, Any]:
+    """``ModelCheckpoint``'s saved state with the paths under ``old`` moved under ``new``: Lightning keeps none of
+    them from a folder other than its own, and says so in a warning (so ``save_top_k`` would lose count of the files
+    it keeps)."""
+
+    def moved(path: str) -> str:
+        return str(new / Path(path).relative_to(old)) if path and Path(path).is_relative_to(old) else path
+
+    paths = {key: moved(state[key]) for key in ("best_model_path", "kth_best_model_path", "last_model_path")
+             if key in state}  # fmt: skip
+    kept = {moved(path): score for path, score in state.get("best_k_models", {}).items()}
+    return {**state, **paths, "best_k_models": kept, "dirpath": str(new)}

@@ -403,6 +403,29 @@ def test_a_resume_past_max_steps_warns_that_nothing_trains(tmp_path):
         fit_evaluated(Evaluated(), tmp_path, max_steps=4, ckpt_path="last")
 
 
+def test_a_run_folder_moved_before_its_resume_keeps_counting_its_step_checkpoints(tmp_path):
+    """Lightning drops the saved paths of a checkpoint folder other than its own, with a warning: save_top_k then lost
+    count of the files kept before the move, and kept them all."""
+    import shutil
+
+    def fit_in(folder, max_steps, ckpt_path=None):
+        every_step = ResumeCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=2)
+        L.Trainer(max_steps=max_steps, callbacks=[every_step], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(Linear(), ckpt_path=ckpt_path)  # fmt: skip
+        return every_step
+
+    fit_in(tmp_path / "here", 4)
+    shutil.copytree(tmp_path / "here", tmp_path / "there")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="The dirpath has changed")
+        resumed = fit_in(tmp_path / "there", 6, ckpt_path="last")
+    kept = sorted(path.name for path in (tmp_path / "there").glob("*.ckpt"))
+    assert kept == ["last.ckpt", "step000005.ckpt", "step000006.ckpt"]
+    assert resumed.last_model_path == str(tmp_path / "there" / "last.ckpt")
+    assert sorted(path.name for path in (tmp_path / "here").glob("*.ckpt")) == ["last.ckpt", "step000003.ckpt",
+                                                                                 "step000004.ckpt"]  # fmt: skip
+
+
 # ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
 
 
