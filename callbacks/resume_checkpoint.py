@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -177,6 +178,8 @@ class ResumeCheckpoint(ModelCheckpoint):
                     "out to evaluate the policy as model.policy loads it."
                 )
             rank_zero_info(f"--ckpt_path last: no checkpoint in {self.dirpath} yet; starting from the initial weights.")
+            # and not Lightning's words for the same, whose hint to set save_last does not apply (this one does)
+            warnings.filterwarnings("ignore", message=r'.*\(ckpt_path="last"\) is set, but there is no last checkpoint')
         return found
 
     def _default_dirpath(self, trainer: Trainer) -> None:

@@ -173,13 +173,11 @@ def free_config_name(folder: Path) -> str:
 
 def quiet_lightning() -> None:
     """Leave out what Lightning prints that a gpo user cannot act on: its tips advertising its cloud services, the
-    deprecation warning its own pytree helper raises under torch 2.13, and its hint for a ``--ckpt_path last`` that
-    finds no checkpoint."""
+    deprecation warning its own pytree helper raises under torch 2.13, and its advice on evaluation metrics of a
+    one-process run (``ResumeCheckpoint`` leaves out its hint for a ``--ckpt_path last`` that finds no checkpoint)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         drop_messages(name, "\N{ELECTRIC LIGHT BULB} Tip:")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # ResumeCheckpoint says so itself, without Lightning's hint to set save_last (gpo's checkpoints always do)
-    warnings.filterwarnings("ignore", message=r'.*\(ckpt_path="last"\) is set, but there is no last checkpoint')
     # an in-process vLLM engine starts torch.distributed (a world of one), and Lightning then asks for sync_dist on
     # every evaluation metric of a one-process run; gpo's evaluation logs with sync_dist where it counts
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/")

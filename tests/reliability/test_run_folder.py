@@ -426,6 +426,15 @@ def test_a_run_folder_moved_before_its_resume_keeps_counting_its_step_checkpoint
                                                                                  "step000004.ckpt"]  # fmt: skip
 
 
+def test_ckpt_path_last_without_a_checkpoint_says_so_once_without_lightnings_save_last_hint(tmp_path, caplog):
+    """ResumeCheckpoint saves last.ckpt; Lightning's warning for the same case advised setting save_last."""
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_evaluated(Evaluated(), tmp_path, max_steps=1, ckpt_path="last")
+    assert "no checkpoint in " in caplog.text and "yet; starting from the initial weights." in caplog.text
+    assert not [w for w in caught if "no last checkpoint" in str(w.message)]
+
+
 # ---- the lock's owner: which claims are live, stale or unreadable --------------------------------------------------
 
 
