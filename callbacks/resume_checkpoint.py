@@ -79,7 +79,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         self._sigint_seen = False  # this process received Ctrl-C (SIGINT) while training
         self._sigint_before: signal.Handlers | Callable | None = None  # the SIGINT handler to put back
         self._save_after_evaluation = False  # a checkpoint is due at the end of the evaluation under way
-        self._evaluation_reopened = False  # resumed from a checkpoint written during an evaluation (SIGTERM)
+        self._evaluation_reopened = False  # resumed from a checkpoint written during an evaluation (a signal)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -220,7 +220,7 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._evaluation_reopened:  # the evaluation cut short by SIGTERM, from its start: counts made whole again
+        if self._evaluation_reopened:  # the evaluation a signal cut short, from its start: counts made whole again
             total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
             total.ready = total.started = total.completed
             self._evaluation_reopened = False

@@ -111,7 +111,7 @@ def run(argv: list[str] | None = None) -> None:
     try:
         args = with_shipped_configs(args)
         main(args)
-    except KeyboardInterrupt:  # before or after a fit (a fit stops at Ctrl-C itself): while libraries import, say
+    except KeyboardInterrupt:  # outside a fit, which stops at Ctrl-C itself: while libraries import or a model loads
         print(f"\n{command}: stopped (Ctrl-C)", file=sys.stderr)
         sys.exit(130)  # 128 + SIGINT, what shells report
     except Exception as error:

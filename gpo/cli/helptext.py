@@ -192,7 +192,7 @@ def describe_seed(parser: ArgumentParser) -> None:
 
 def focus(parser: ArgumentParser, subcommand: str) -> None:
     """Make ``parser``'s help gpo's: Lightning's trainer settings other than ``TRAINER_KEYS`` left out of it (they
-    stay valid settings), ``--ckpt_path`` described as gpo uses it, and the trainer group moved after gpo's groups,
+    stay valid settings), as are ``NO_NESTED_HELP``, ``--ckpt_path`` described as gpo uses it, and the trainer group moved after gpo's groups,
     with ``epilog`` below."""
     for action in parser._actions:
         trainer_flag = any(flag == "--trainer" or flag.startswith("--trainer.") for flag in action.option_strings)
