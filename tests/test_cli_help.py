@@ -103,6 +103,7 @@ def test_ckpt_path_and_export_are_described_as_each_command_uses_them(fit_help):
     )
     assert "--ckpt_path CKPT_PATH evaluate a checkpoint: last" in validate_help
     assert "hpc" not in flat(fit_help) + validate_help  # Lightning's text, for a checkpoint gpo never writes
+    assert "--trainer.precision PRECISION what gpo trains with: 32-true (the default), bf16-mixed" in flat(fit_help)
     assert "gpo fit: save the policy to <log dir>/export when training ends" in validate_help
 
 

@@ -46,6 +46,10 @@ SEED_HELP = (
     "the run's seed, which sets the data order, the sampling and a LoRA adapter's initial weights (the same seed "
     "replays the run); true draws one at random (printed, and recorded in the run's config.yaml); false seeds nothing"
 )
+PRECISION_HELP = (
+    "what gpo trains with: 32-true (the default), bf16-mixed (bfloat16 autocast) or 16-mixed (float16 autocast with "
+    "loss scaling, on a GPU); Lightning's *-true half precisions are refused: for bfloat16 weights set model.dtype"
+)
 #: ``--ckpt_path`` of each subcommand, as gpo uses it (Lightning's text offers ``best``, ``hpc`` and ``registry``).
 CKPT_PATH_HELP = {
     "fit": "continue a run: last (trainer.default_root_dir/checkpoints/last.ckpt; a run with none yet starts from "
@@ -192,12 +196,14 @@ def describe_seed(parser: ArgumentParser) -> None:
 
 def focus(parser: ArgumentParser, subcommand: str) -> None:
     """Make ``parser``'s help gpo's: Lightning's trainer settings other than ``TRAINER_KEYS`` left out of it (they
-    stay valid settings), as are ``NO_NESTED_HELP``, ``--ckpt_path`` described as gpo uses it, and the trainer group moved after gpo's groups,
-    with ``epilog`` below."""
+    stay valid settings), as are ``NO_NESTED_HELP``, ``--trainer.precision`` and ``--ckpt_path`` described as gpo
+    uses them, and the trainer group moved after gpo's groups, with ``epilog`` below."""
     for action in parser._actions:
         trainer_flag = any(flag == "--trainer" or flag.startswith("--trainer.") for flag in action.option_strings)
         if (trainer_flag and action.dest not in TRAINER_KEYS) or set(action.option_strings) & set(NO_NESTED_HELP):
             action.help = argparse.SUPPRESS
+        if action.dest == "trainer.precision":
+            action.help = PRECISION_HELP
         if action.dest == "ckpt_path":
             action.help = CKPT_PATH_HELP[subcommand]
             action.container.title, action.container.description = "Checkpoint", None
