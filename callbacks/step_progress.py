@@ -100,6 +100,7 @@ class StepProgressBar(TQDMProgressBar):
             return
         bar, now = self.train_progress_bar, time.monotonic()
         bar.n = trainer.global_step  # shown at the next redraw
+        bar.total = max(bar.total, bar.n)  # a batch of several steps may pass max_steps: tqdm would draw "14/?"
         due = (batch_idx + 1) % self.refresh_rate == 0 and now - self._redrawn_at >= REDRAW_INTERVAL_S
         if due or trainer.global_step >= trainer.max_steps:
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar

@@ -112,6 +112,7 @@ def test_the_bar_is_redrawn_at_most_every_interval_and_at_the_last_step(
     trainer.fit(TwoStepsPerBatch())
     assert redraws.steps == redrawn
     assert [n for n, _, _ in seen.rows] == [2 * batch for batch in range(1, 8)]
+    assert seen.rows[-1][:2] == (14, 14)  # past max_steps=13, 14 of 14: tqdm drew a total below the count as "14/?"
     assert "reward=0.5" in trainer.progress_bar_callback.train_progress_bar.postfix
 
 
