@@ -59,8 +59,10 @@ class ExportPolicy(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from gpo.models.export import export_policy
 
+        folder = self._folder(trainer)  # on every rank: trainer.log_dir broadcasts rank 0's
         if trainer.is_global_zero:
-            export_policy(pl_module.policy, pl_module.tokenizer, self._folder(trainer), merge=self.mode == "merged")
+            export_policy(pl_module.policy, pl_module.tokenizer, folder, merge=self.mode == "merged")
 
     def _folder(self, trainer: Trainer) -> Path:
-        return Path(self.folder or Path(trainer.log_dir or trainer.default_root_dir) / "export")  # log_dir: every rank
+        """``folder``, else ``<log dir>/export``; to be asked on every rank (``trainer.log_dir`` is a collective)."""
+        return Path(self.folder or Path(trainer.log_dir or trainer.default_root_dir) / "export")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
@@ -42,7 +43,6 @@ trainer:
       init_args: {{every_n_train_steps: 4, save_top_k: -1}}
     - class_path: gpo.callbacks.DynamicSampling
       init_args: {{max_rounds: 2}}
-export: none
 model:
   policy: {root}/model
   rewards: [tests.parallel.ddp_step.even_digit_sum]
@@ -92,7 +92,12 @@ def load(path: Path) -> dict:
 
 
 def test_a_ddp_run_resumed_from_a_mid_run_checkpoint_ends_like_the_run_never_stopped(config, tmp_path):
+    """With gpo fit's default export, which rank 0 writes (its folder, asked on rank 0 alone, waited for a broadcast
+    the other rank never joined: every DDP run ended in a crash after its last checkpoint)."""
     whole = fit(config, tmp_path / "whole")
+    exported = load_file(tmp_path / "whole/lightning_logs/version_0/export/model.safetensors")
+    trained = {key.removeprefix("policy."): tensor for key, tensor in whole["state_dict"].items()}
+    assert exported and all(torch.equal(tensor, trained[name]) for name, tensor in exported.items())
     (tmp_path / "resumed/checkpoints").mkdir(parents=True)
     shutil.copy(tmp_path / "whole/checkpoints/step000004.ckpt", tmp_path / "resumed/checkpoints/last.ckpt")
     drawn = [rank["extra_batches_drawn"] for rank in load(tmp_path / "resumed/checkpoints/last.ckpt")["gpo"]["ranks"]]
