@@ -202,7 +202,9 @@ class VLLMServerEngine(RolloutEngine):
 
 def write_safetensors(weights: dict[str, Tensor], path: Path) -> None:
     """Save ``weights`` to ``path`` atomically (written aside, then renamed), as contiguous CPU tensors; tensors that
-    share memory (tied weights) are saved as separate copies, which safetensors requires."""
+    share memory (tied weights) are saved as separate copies, which safetensors requires. The file gets the
+    permissions a new file gets here (the umask's), so that servers running as another user can read it: safetensors
+    writes it readable by its owner alone, and a server that cannot read it is left without an engine."""
     from safetensors.torch import save_file
 
     seen, tensors = set(), {}
@@ -215,4 +217,7 @@ def write_safetensors(weights: dict[str, Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = path.with_name(f".{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(aside))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(aside, 0o666 & ~umask)
     os.replace(aside, path)

@@ -163,3 +163,19 @@ def test_health_check_gives_up_after_health_max_wait_s_naming_the_server():
     with pytest.raises(TimeoutError, match=rf"did not answer GET /health .*health_max_wait_s=2.0 s: {url} \(last:"):
         engine.setup(None, char_tokenizer())
     assert 1.5 < time.monotonic() - started < 4.0
+
+
+def test_the_pushed_weights_file_is_readable_as_a_new_file_here_is_not_by_its_owner_alone(tmp_path):
+    """safetensors wrote it -rw------- whatever the umask: a server running as another user could not read it, and
+    a reload of an unreadable file leaves the server without an engine."""
+    import os
+    import stat
+
+    from gpo.rollout.vllm_server import write_safetensors
+
+    umask = os.umask(0o022)
+    try:
+        write_safetensors({"w": torch.ones(2)}, tmp_path / "weights" / "model.safetensors")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "weights" / "model.safetensors").stat().st_mode) == 0o644
