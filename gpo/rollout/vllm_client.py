@@ -5,12 +5,13 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from functools import partial
 from typing import Any, TypeVar
@@ -20,6 +21,9 @@ from gpo.envs.http import Outages, Retries, ServiceError, bearer, retried_status
 API_KEY_ENV = "VLLM_API_KEY"  # also the variable vLLM's server reads for its own --api-key
 DEV_ROUTES = ("/collective_rpc", "/reset_prefix_cache")
 T = TypeVar("T")
+#: A call on the servers still waiting after this long is said in a warning (request_timeout_s defaults to 600 s).
+UNANSWERED_WARNING_S = 60.0
+log = logging.getLogger(__name__)
 
 
 class VLLMServerError(ServiceError):
@@ -131,6 +135,18 @@ class VLLMServers:
         except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
             return _connection_problem(error)
 
+    def _say_if_unanswered(self, futures: list[Future], servers: list[str]) -> None:
+        """Wait for ``futures``; if some are still running after ``UNANSWERED_WARNING_S``, say which servers they wait
+        on, once: a server whose engine died behind an open HTTP front answers nothing until ``request_timeout_s``."""
+        _, running = wait(futures, timeout=UNANSWERED_WARNING_S)
+        if running:
+            waiting = sorted({server for future, server in zip(futures, servers, strict=True) if future in running})
+            log.warning(
+                f"{len(running)} requests to {', '.join(waiting)} unanswered after {UNANSWERED_WARNING_S:g} s; "
+                f"training waits until they answer or {self.where}.request_timeout_s={self.retries.timeout_s} s "
+                "ends them. A server whose engine stopped may still hold its connections open: check its log."
+            )
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The log-prob of each token of each sequence after its first, given the tokens before it, under the
         servers' weights at temperature 1: ``POST /v1/completions`` with the sequence as the prompt,
@@ -166,6 +182,7 @@ class VLLMServers:
                 for server, count in Counter(server for server, _ in calls).items()
             }
             futures = [pools[server].submit(run, server, call) for server, call in calls]
+            self._say_if_unanswered(futures, [server for server, _ in calls])
         for future in futures:  # an error that is not a server's (a bug) goes up as it is
             error = future.exception()
             if error is not None and not isinstance(error, VLLMServerError):

