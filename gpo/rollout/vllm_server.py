@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import threading
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -203,8 +205,8 @@ class VLLMServerEngine(RolloutEngine):
 def write_safetensors(weights: dict[str, Tensor], path: Path) -> None:
     """Save ``weights`` to ``path`` atomically (written aside, then renamed), as contiguous CPU tensors; tensors that
     share memory (tied weights) are saved as separate copies, which safetensors requires. The file gets the
-    permissions a new file gets here (the umask's), so that servers running as another user can read it: safetensors
-    writes it readable by its owner alone, and a server that cannot read it is left without an engine."""
+    permissions a new file gets in that folder (the umask's), so that servers running as another user can read it:
+    safetensors writes it readable by its owner alone, and a server that cannot read it is left without an engine."""
     from safetensors.torch import save_file
 
     seen, tensors = set(), {}
@@ -217,7 +219,17 @@ def write_safetensors(weights: dict[str, Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = path.with_name(f".{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(aside))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(aside, 0o666 & ~umask)
+    os.chmod(aside, new_file_mode(path.parent))
     os.replace(aside, path)
+
+
+def new_file_mode(folder: Path) -> int:
+    """The permissions a file created in ``folder`` gets (0o666 less the umask), read from a file made for it: setting
+    the umask to read it would change it for every thread of the process meanwhile."""
+    probe = folder / f".mode.{os.getpid()}.{threading.get_ident()}"
+    descriptor = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(descriptor).st_mode)
+    finally:
+        os.close(descriptor)
+        probe.unlink()
