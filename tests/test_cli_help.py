@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from gpo.algo import presets
@@ -327,6 +328,47 @@ def fit_error(capsys, *args: str) -> str:
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err, err
     return err[err.index("gpo fit: error: ") :]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("trainer:\n  max_step: 5\n", "unknown setting trainer.max_step\n(set in {})\ndid you mean trainer.max_steps?"),
+        ("seed_everthing: 1\n", "unknown setting seed_everthing\n(set in {})\ndid you mean seed_everything?"),
+        # an empty mapping: jsonargparse alone drops the key without a word
+        ("trainer:\n  foo: {{}}\n", "unknown setting trainer.foo\n(set in {})\ntrainer takes: accelerator"),
+        ("foo: {{a: {{}}}}\n", "unknown setting foo\n(set in {})\nthe top-level settings are model"),
+        ("model:\n  algorithm:\n    class_path: CISPO\n    init_args:\n      ppo_clip: {{}}\n",
+         "model.algorithm (CISPO) has no setting 'ppo_clip'\n(set in {})\nmodel.algorithm takes: clip_low"),
+        ("model:\n  engine:\n    init_args:\n      sampling: {{top_n: {{}}}}\n",
+         "model.engine.init_args.sampling (Sampling) has no setting 'top_n'\n(set in {})"),
+    ],
+    ids=["misspelt_in_group", "misspelt_top_level", "empty_in_group", "empty_top_level", "empty_preset_setting",
+         "empty_nested_class_setting"],
+)  # fmt: skip
+@pytest.mark.parametrize("printed", [False, True], ids=["fit", "print_config"])  # jsonargparse words them apart
+def test_an_unknown_key_in_a_config_file_is_named_in_full_with_its_file(tmp_path, capsys, content, says, printed):
+    config = tmp_path / "mine.yaml"
+    config.write_text(content.format())
+    err = fit_error(capsys, "--config", str(config), *(["--print_config"] if printed else []))
+    assert err.startswith("gpo fit: error: " + says.format(config)), err
+
+
+def test_a_known_setting_given_as_an_empty_mapping_keeps_its_defaults(capsys):
+    # the refusal of an unknown `key: {}` leaves a known one alone: GRPO's PPO clip with its default range
+    from gpo.cli.parser import unknown_empty_settings
+
+    cfg = {"ppo_clip": {}, "kl": {"beta": {}}, "foo": {"bar": {}}, "baz": {"qux": 1}, "empty": {}}
+    found = unknown_empty_settings(cfg, {"ppo_clip", "kl.beta", "baz.x"}, set())
+    assert [name for _, name in found] == ["foo", "empty"]
+    assert [name for _, name in unknown_empty_settings({"model": {"x": {}}}, {"model", "model.a"}, {"model"})] == ["x"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", "quickstart", "--model.algorithm=GRPO", "--model.algorithm.ppo_clip={}",
+             "--print_config"])  # fmt: skip
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert exit_info.value.code == 0
+    ppo_clip = printed["model"]["algorithm"]["init_args"]["ppo_clip"]
+    assert ppo_clip == {"clip_low": 0.4, "clip_high": 0.5, "dual_clip": None}
 
 
 def test_a_wrong_value_in_a_class_given_inline_is_named_as_in_yaml_not_as_a_missing_file(tmp_path, capsys):

@@ -26,9 +26,15 @@ from gpo.suggest import did_you_mean
 
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "seed_everything", "ckpt_path", "export", "config", "print_config")
-JSONARGPARSE_MARKERS = ("Parser key", "does not accept option", "unrecognized arguments", "Does not validate against")
+JSONARGPARSE_MARKERS = (
+    "Parser key", "does not accept option", "unrecognized arguments", "Does not validate against", "is not accepted",
+)  # fmt: skip
 _LIST_INDEX = re.compile(r"\.\d+(?=\.|$)")  # a list item's index in a dotted key: model.rewards.1.init_args.x
-_UNKNOWN_OPTION = re.compile(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)")
+#: An unknown key: from a config file (in a group, or at the top level) or from the command line.
+_UNKNOWN_OPTION = re.compile(
+    r"(?:Group '([\w.]+)' )?does not accept option '([\w.]+)'|^Option '([\w.]+)' is not accepted|"
+    r"unrecognized arguments: --([\w.]+)"
+)
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
 _NOT_ACCEPTED = re.compile(
     r"Problem with given class_path '([\w.]+)':\s*(?:Option '(\w+)' is not accepted|unrecognized arguments: --(\w+))"
@@ -123,7 +129,8 @@ def _key_and_problem(message: str) -> tuple[str | None, str, bool]:
         return f"{group}.init_args.{option}", f"{group} ({cls.rsplit('.', 1)[-1]}) has no setting {option!r}", True
     unknown = _UNKNOWN_OPTION.search(message)
     if unknown:
-        key = unknown.group(1) or unknown.group(2)
+        owner, option, top_level, flag = unknown.groups()
+        key = f"{owner}.{option}" if owner else option or top_level or flag
         if group and not key.startswith(group):  # refused by the group's own parser: model.rewards' "1.init_args.x"
             key = f"{group}.{key}"
         return key, f"unknown setting {key}", True

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
 from gpo.cli import helptext
+from gpo.cli.parser import SettingsParser
 from gpo.logfilters import drop_messages
 from gpo.train.loggers import default_loggers, discard_unused_version
 from gpo.train.preflight import check_trainer_loop
@@ -37,6 +38,7 @@ class GPOCLI(LightningCLI):
         quiet_lightning()
         # gpo builds its optimiser from model.optim: Lightning's --optimizer / --lr_scheduler would be ignored
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("parser_class", SettingsParser)  # refuses `key: {}` of a setting it does not know
         kwargs.setdefault("seed_everything_default", 0)  # what Lightning picks for True, said without its warning
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv

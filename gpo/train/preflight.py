@@ -222,7 +222,7 @@ def old_logprobs_source(old_logprobs: str, ppo_clip_ref_logprobs: str | None) ->
     if old_logprobs != "rollout" and old_logprobs != aliased:
         raise ValueError(
             f"model.old_logprobs={old_logprobs!r} and model.ppo_clip_ref_logprobs={ppo_clip_ref_logprobs!r} (its "
-            "seed-000 name) disagree; set only one of them."
+            "name in flat GRPO configs) disagree; set only one of them."
         )
     return aliased
 

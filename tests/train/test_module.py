@@ -104,7 +104,7 @@ def test_a_reward_returning_nan_is_reported_with_its_prompt(workspace):
         ({"old_logprobs": "vllm"}, "rollout or trainer"),
         ({"ppo_clip_ref_logprobs": "vllm"}, "rollout or batch"),
         ({"old_logprobs": "rollout", "ppo_clip_ref_logprobs": "batch"}, None),  # flat GRPO configs' name for trainer
-        ({"old_logprobs": "trainer", "ppo_clip_ref_logprobs": "rollout"}, "disagree; set only one"),
+        ({"old_logprobs": "trainer", "ppo_clip_ref_logprobs": "rollout"}, r"in flat GRPO configs\) disagree; set only"),
         ({"algorithm": "ppo"}, "grpo, rloo, reinforce_pp"),
         ({"distill": TeacherKL()}, "model.distill needs a teacher"),
         ({"teacher": "somewhere"}, "model.teacher is set but nothing reads it"),

@@ -328,6 +328,8 @@ def test_a_value_outside_a_fixed_set_is_refused_by_the_parser_with_the_choices(r
     [
         pytest.param(("--model.algorithm=CISPO", "--model.algorithm.ppo_clip.clip_low=0.2"), id="ppo_clip_on_cispo"),
         pytest.param(("--model.algorithm=GSPO", "--model.algorithm.ppo_clip.clip_low=0.2"), id="ppo_clip_on_gspo"),
+        pytest.param(("--model.algorithm=CISPO", "--model.algorithm.ppo_clip={}"), id="ppo_clip_defaults_on_cispo"),
+        pytest.param(("--model.algorithm=SAPO", "--model.algorithm.ppo_clip={}"), id="ppo_clip_defaults_on_sapo"),
         pytest.param(("--model.algorithm=SAPO", "--model.algorithm.clip_high=0.3"), id="clip_range_on_sapo"),
         pytest.param(("--model.algorithm=RLOO", "--model.algorithm.advantage_norm=batch"), id="rloo_batch_norm"),
         pytest.param(("--model.algorithm=DrGRPO", "--model.algorithm.advantage_norm=batch"), id="norm_on_dr_grpo"),
