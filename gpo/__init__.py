@@ -1,7 +1,7 @@
 """gpo: group-based policy optimisation (GRPO and its family) for language models on PyTorch Lightning."""
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], object]:
@@ -14,3 +14,13 @@ def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], object]
         return getattr(importlib.import_module(homes[name]), name)
 
     return __getattr__
+
+
+def lazy_dir(namespace: Mapping[str, object], homes: Mapping[str, str]) -> Callable[[], list[str]]:
+    """A module ``__dir__`` (PEP 562) that lists the names ``lazy_exports`` imports on first use beside those of
+    ``namespace`` (the module's ``globals()``), so ``dir()``, tab completion and ``help()`` show them."""
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *homes})
+
+    return __dir__

@@ -174,6 +174,10 @@ class PolicyObjective:
             shape = list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(f"the loss aggregator {type(self.aggregator).__name__} returned {shape}, not a scalar "
                              "tensor (LossAggregator.numerator sums its rows to one value).")  # fmt: skip
+        if torch.is_grad_enabled() and per_token.requires_grad and not loss.requires_grad:
+            raise ValueError(f"the loss aggregator {type(self.aggregator).__name__} returned a loss without gradient "
+                             "(detached from per_token_loss): LossAggregator.numerator sums per_token_loss itself, "
+                             "not a detached copy or .item().")  # fmt: skip
         return loss, metrics
 
     @property

@@ -21,7 +21,7 @@ def check_reward_signature(fn: Any, index: int) -> None:
     if not callable(fn):
         raise TypeError(
             f"{name}={fn!r} is not callable; give a function (prompts, completions, **columns) -> list[float] "
-            "or its import path (e.g. gpo.rewards.exact_match)."
+            "(an import path such as gpo.rewards.exact_match is read in YAML; in Python, import the function)."
         )
     if isinstance(fn, type):  # called, it would build an instance, not score
         raise TypeError(f"{name} is the class {fn.__name__}; give an instance, {fn.__name__}(...), whose __call__ "

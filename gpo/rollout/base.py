@@ -41,6 +41,18 @@ class Sampling:
             )
 
 
+def sampling_or_default(sampling: Sampling | None, engine: str) -> Sampling:
+    """``sampling``, or the default ``Sampling()`` for None; anything else (a dict of its fields, say) is refused
+    naming ``engine``, as it would fail at the first rollout with an AttributeError."""
+    if sampling is None:
+        return Sampling()
+    if not isinstance(sampling, Sampling):
+        shown = f"{sampling!r:.60}" if isinstance(sampling, dict) else type(sampling).__name__
+        raise TypeError(f"{engine}(sampling={shown}) takes gpo.rollout.Sampling(temperature=..., top_p=..., top_k=..., "
+                        "max_new_tokens=...); the mapping form is for YAML.")  # fmt: skip
+    return sampling
+
+
 def check_temperature_and_top_p(temperature: float, top_p: float, where: str) -> None:
     """Refuse a temperature or nucleus mass out of bounds, naming it under ``where``, its configuration group."""
     if not temperature > 0:

@@ -13,7 +13,7 @@ from gpo.logfilters import drop_messages
 from gpo.models.loading import training_mode
 from gpo.models.scorer import TokenScorer
 from gpo.parallel.fsdp import sampling_mode
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id, sampling_or_default
 
 #: The settings of a transformers generation config that reshape the distribution ``generate`` samples from (or change
 #: what it returns), at the value that leaves the policy's own softmax at the sampling temperature, the distribution
@@ -79,7 +79,7 @@ class HFEngine(RolloutEngine):
     shares_policy_weights = True
 
     def __init__(self, *, sampling: Sampling | None = None, batch_size: int | None = None) -> None:
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling_or_default(sampling, "HFEngine")
         if batch_size is not None and batch_size < 1:
             raise ValueError(
                 f"model.engine.init_args.batch_size={batch_size} must be >= 1, or null to generate in one call."

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gpo.logfilters import drop_messages
 from gpo.models.loading import unwrap
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id, sampling_or_default
 from gpo.rollout.token_lists import greedy_copies, prompt_seeds, rollout_from_token_lists, vllm_request
 
 VLLMDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -99,8 +99,10 @@ class VLLMEngine(RolloutEngine):
     Args:
         sampling: temperature, top-p, top-k and the completion budget (``max_new_tokens``).
         max_model_len: longest prompt + completion the engine accepts (None: the model's own limit).
-        dtype: weights and activations dtype; ``auto`` takes the checkpoint's. Use the trainer's dtype for
-            log-probs that agree with it (float32: about 1e-6 on the CPU; bfloat16: up to about 0.3).
+        dtype: weights and activations dtype; ``auto`` is vLLM's choice: the checkpoint's, except that a float32
+            checkpoint runs in the platform's 16-bit dtype (bfloat16 on the CPU), unlike the trainer's float32
+            default. Use the trainer's dtype for log-probs that agree with it (float32: about 1e-6 on the CPU;
+            bfloat16: up to about 0.3).
         gpu_memory_utilization: fraction of GPU memory for weights and KV cache (on the CPU, of the RAM; unused
             when ``kv_cache_memory_bytes`` is set).
         kv_cache_memory_bytes: KV cache size in bytes. None: sized from ``gpu_memory_utilization`` on a GPU, and
@@ -130,7 +132,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: bool = False,
         seed: int = 0,
     ) -> None:
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling_or_default(sampling, "VLLMEngine")
         on_gpu = torch.cuda.is_available()
         _check_engine_arguments(
             dtype, gpu_memory_utilization, kv_cache_memory_bytes, tensor_parallel_size, enable_sleep_mode, on_gpu

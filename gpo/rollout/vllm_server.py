@@ -14,7 +14,7 @@ from typing import Literal
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id
+from gpo.rollout.base import Rollout, RolloutEngine, Sampling, pad_token_id, sampling_or_default
 from gpo.rollout.token_lists import greedy_copies, prompt_seeds, rollout_from_token_lists, vllm_request
 from gpo.rollout.vllm_client import VLLMServerError, VLLMServers
 
@@ -102,7 +102,7 @@ class VLLMServerEngine(RolloutEngine):
         retry_backoff_s: float = 1.0,
         max_concurrent_requests: int = 64,
     ) -> None:
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling_or_default(sampling, "VLLMServerEngine")
         if weight_update != "file":
             raise ValueError(f"{self.where}.weight_update={weight_update!r} is not valid; choose 'file'.")
         # absolute: the servers resolve the path they are sent against their own working folder, not this one's

@@ -119,6 +119,8 @@ class PromptDataModule(LightningDataModule):
         self.val_rows: list[dict[str, Any]] = []
         self.columns: dict[str, list[str]] = {}  # each file's columns, keyed "data.path='...'"; set by setup
         self.longest_prompt: tuple[int, str] = (0, "no prompt")  # tokens, and which row; set by setup
+        # the trainer's limit_val_batches, held while a fit without held-out prompts turns validation off (setup)
+        self.held_limit_val_batches: int | float | None = None
 
     def setup(self, stage: str | None = None) -> None:
         ranks = self.trainer.world_size if self.trainer is not None else 1
@@ -127,8 +129,19 @@ class PromptDataModule(LightningDataModule):
                 f"data.prompts_per_step={self.prompts_per_step} is the global batch: it must split evenly over the "
                 f"{ranks} processes (trainer.devices x trainer.num_nodes); make it a multiple of {ranks}."
             )
-        if self.train_rows:
-            return
+        if not self.train_rows:
+            self._read_rows()
+        if stage == TrainerFn.FITTING and self.trainer is not None and not self.val_rows:
+            # nothing to evaluate: validation off (given back at teardown), or Lightning would run its sanity check
+            # over an empty loader and warn that its length is zero
+            self.held_limit_val_batches, self.trainer.limit_val_batches = self.trainer.limit_val_batches, 0
+
+    def teardown(self, stage: str) -> None:
+        if self.trainer is not None and self.held_limit_val_batches is not None:
+            self.trainer.limit_val_batches, self.held_limit_val_batches = self.held_limit_val_batches, None
+
+    def _read_rows(self) -> None:
+        """The training and held-out rows, from ``path`` and ``val_path`` or split by ``val_size``."""
         tokenizer = self._tokenizer()
         rows = self._prepare(tokenizer, "path")
         if self.val_path is not None:

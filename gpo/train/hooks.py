@@ -11,7 +11,7 @@ members it reads).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning import Callback, LightningModule, Trainer
@@ -103,25 +103,56 @@ def warn_unreached_hooks(callbacks: Sequence[Callback]) -> None:
 
 
 def run_prompt_hooks(trainer: Trainer, pl_module: LightningModule, batch: dict[str, Any]) -> dict[str, Any]:
-    """``on_prompts`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's batch."""
+    """``on_prompts`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's batch. A
+    filtered batch that is not a dict with the keys of the one given, or whose columns disagree on the number of
+    prompts, is refused naming the callback (``check_prompts``)."""
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):
             callback._hooks_ran |= {"on_prompts"}
             filtered = callback.on_prompts(trainer, pl_module, batch)
-            batch = batch if filtered is None else filtered
+            if filtered is not None:
+                check_prompts(filtered, batch, f"{type(callback).__name__}.on_prompts")
+                batch = filtered
     return batch
+
+
+def check_prompts(filtered: object, given: Mapping[str, Any], where: str) -> None:
+    """Refuse a batch of prompts returned by ``where`` that is not a dict with the keys of the batch it was ``given``,
+    or whose ``prompt``, ``prompt_ids`` and ``fields`` columns hold different numbers of prompts."""
+    if not isinstance(filtered, Mapping):
+        raise TypeError(f"{where} returned {type(filtered).__name__}; return the batch it was given with its rows "
+                        "filtered (a dict with the same keys), or None to keep it.")  # fmt: skip
+    lost = sorted(given.keys() - filtered.keys())
+    if lost:
+        raise ValueError(f"{where} returned a batch without {lost}; keep every key of the batch it was given.")
+    columns = {name: filtered[name] for name in ("prompt", "prompt_ids") if name in filtered}
+    columns |= {f"fields[{key!r}]": values for key, values in filtered.get("fields", {}).items()}
+    counts = {name: len(values) for name, values in columns.items()}
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"{name} {count}" for name, count in counts.items())
+        raise ValueError(f"{where} returned a batch whose columns hold different numbers of prompts ({shown}); filter "
+                         "every column alike.")  # fmt: skip
 
 
 def run_rollout_hooks(trainer: Trainer, pl_module: LightningModule, rollout: Rollout) -> Rollout:
     """``on_rollout_end`` of every ``RolloutCallback`` of the trainer, in order; each sees the previous one's
     rollout. The result may be empty (test ``len(rollout) == 0``): then skip the step. A rollout whose fields
-    disagree on its row count is refused before any callback reads it (``Rollout.check_rows``)."""
+    disagree on its row count is refused before any callback reads it, and after each callback naming it
+    (``Rollout.check_rows``), as is a callback's return that is neither a ``Rollout`` nor None."""
     rollout.check_rows()
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):
             callback._hooks_ran |= {"on_rollout_end"}
             replaced = callback.on_rollout_end(trainer, pl_module, rollout)
+            where = f"{type(callback).__name__}.on_rollout_end"
+            if replaced is not None and not isinstance(replaced, Rollout):
+                raise TypeError(f"{where} returned {type(replaced).__name__}; return a Rollout (an empty one skips "
+                                "the step) or None to keep the rollout it was given.")  # fmt: skip
             rollout = rollout if replaced is None else replaced
+            try:
+                rollout.check_rows()
+            except ValueError as err:
+                raise ValueError(f"after {where}: {err}") from None
     return rollout
 
 

@@ -15,13 +15,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
-from gpo.algo import KLPenalty, RolloutCorrection, mismatch_metrics
+from gpo.algo import KLPenalty, OverlongFilter, RolloutCorrection, mismatch_metrics
 from gpo.algo.gates.base import Metrics
 from gpo.algo.objective import ALWAYS_GIVEN, LOSS_TOKENS, MASK_TOKENS, PolicyObjective, combine_statistics
 from gpo.models.scorer import TokenScorer
 from gpo.models.teacher import Teacher
 from gpo.parallel import collectives, fsdp
 from gpo.rollout.base import Rollout
+from gpo.suggest import did_you_mean
 from gpo.train.nonfinite import NonfiniteGuard
 from gpo.train.optimization import Optimization
 
@@ -67,6 +68,20 @@ def lightning_backend(module: LightningModule) -> Backend:
                    fsdp.is_sharded(strategy), module.device, module.trainer.global_step, scaler)  # fmt: skip
 
 
+def check_supplied(objective: PolicyObjective) -> None:
+    """Refuse a part whose ``requires`` names an input the trainer does not compute (a misspelt name would otherwise
+    reach the part as nothing), naming the part and the closest input supplied."""
+    supplied = sorted(SUPPLIED_INPUTS | ALWAYS_GIVEN)
+    parts = [objective.gate, *objective.masks, *objective.scaling, objective.distill]
+    for name in sorted(objective.requires - SUPPLIED_INPUTS):
+        who = ", ".join(type(part).__name__ for part in parts if part is not None and name in part.requires)
+        guess = did_you_mean(name, supplied, "{!r}", " ")
+        raise ValueError(
+            f"{who or 'a part of the objective'} requires {name!r}, which the trainer does not compute; "
+            f"{guess}it supplies {', '.join(supplied)} (docs/algorithms.md says when each is given)."
+        )
+
+
 class Learner:
     """Optimiser steps on one scored rollout: ``ppo_epochs x number_of_minibatches`` updates of the objective.
 
@@ -104,12 +119,7 @@ class Learner:
         sampler_shares_weights: bool = True,
         teacher: Teacher | None = None,
     ) -> None:
-        unsupported = objective.requires - SUPPLIED_INPUTS
-        if unsupported:
-            raise ValueError(
-                f"the objective's parts need {sorted(unsupported)}, which the trainer does not compute (it supplies "
-                f"{sorted(SUPPLIED_INPUTS | ALWAYS_GIVEN)})."
-            )
+        check_supplied(objective)
         if "teacher_logp" in objective.requires and teacher is None:
             raise ValueError("the objective distils from a teacher (teacher_logp), but no teacher was given.")
         self.scorer, self.objective, self.optim, self.teacher = scorer, objective, optim, teacher
@@ -137,12 +147,15 @@ class Learner:
             return True
         self.empty_streak += 1
         if self.empty_streak == EMPTY_LOSS_WARNING:
-            dropping = ", ".join(type(part).__name__ for part in [*self.objective.dropping, *self.objective.masks])
+            parts = [*self.objective.dropping, *self.objective.masks]
+            overlong = any(isinstance(part, OverlongFilter) for part in parts)
+            fix = ("; OverlongFilter drops every completion that reaches max_new_tokens without EOS). Raise "
+                   "model.engine.init_args.sampling.max_new_tokens, or loosen or remove" if overlong else "). Loosen "
+                   "or remove")  # fmt: skip
             log.warning(
                 "optimiser step %d: no token was left in the loss for %d steps in a row, so nothing trained (token "
-                "weights and masks that drop tokens: %s; OverlongFilter drops every completion that reaches "
-                "max_new_tokens without EOS). Raise model.engine.init_args.sampling.max_new_tokens, or loosen or "
-                "remove the part in model.token_weights or model.masks.", step, self.empty_streak, dropping or "none",
+                "weights and masks that drop tokens: %s%s the part in model.token_weights or model.masks.", step,
+                self.empty_streak, ", ".join(type(part).__name__ for part in parts) or "none", fix,
             )  # fmt: skip
         return False
 

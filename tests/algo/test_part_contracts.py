@@ -115,6 +115,17 @@ def test_an_aggregator_that_returns_no_scalar_is_refused_by_name():
         PolicyObjective(NoGate(), PerRow())(logp, old, adv, mask)
 
 
+class Detached(SequenceMean):
+    def numerator(self, per_token_loss, mask):
+        return super().numerator(per_token_loss, mask).detach()  # the policy would not learn from it
+
+
+def test_an_aggregator_whose_loss_has_no_gradient_is_refused_by_name():
+    logp, old, adv, mask = step_tensors()
+    with pytest.raises(ValueError, match=r"the loss aggregator Detached returned a loss without gradient"):
+        PolicyObjective(NoGate(), Detached())(logp, old, adv, mask)
+
+
 def test_an_advantage_of_the_wrong_shape_is_refused_by_name():
     rollout = Rollout(
         prompt_ids=torch.ones(4, 2, dtype=torch.long),

@@ -73,3 +73,10 @@ def test_two_rewards_with_one_name_are_refused_and_distinct_names_pass():
     check_reward_names([exact_match, positional_only, star_args])
     with pytest.raises(ValueError, match=r"model.rewards\[0\], model.rewards\[2\] are all named 'exact_match'"):
         check_reward_names([exact_match, positional_only, exact_match])
+
+
+def test_an_import_path_given_in_python_is_refused_saying_paths_are_for_yaml():
+    """The message offered an import path as the fix to a user who had just given one."""
+    with pytest.raises(TypeError, match=r"rewards\[0\]='gpo.rewards.exact_match' is not callable; .* is read in YAML; "
+                                        r"in Python, import the function"):  # fmt: skip
+        check_reward_signature("gpo.rewards.exact_match", 0)

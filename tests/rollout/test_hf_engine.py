@@ -329,3 +329,10 @@ def test_concat_rollouts_pads_multi_turn_fields_as_past_the_episode():
     assert both.loss_mask.tolist() == [[1, 0, 0], [1, 0, 0]]
     assert both.turn_rewards[0].tolist() == [1.0, 2.0] and both.turn_rewards[1, 0] == 1
     assert both.turn_rewards[1, 1].isnan()
+
+
+@pytest.mark.parametrize("sampling", [{"max_new_tokens": 4}, 4])
+def test_sampling_that_is_not_a_sampling_is_refused_when_the_engine_is_built(sampling):
+    """A dict of its fields (the YAML form) would otherwise pass until the first rollout, as an AttributeError."""
+    with pytest.raises(TypeError, match=r"HFEngine\(sampling=.*\) takes gpo.rollout.Sampling\(temperature=\.\.\."):
+        HFEngine(sampling=sampling)

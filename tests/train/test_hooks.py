@@ -189,6 +189,58 @@ def test_a_rollout_whose_fields_disagree_on_its_rows_is_refused_before_any_callb
         run_rollout_hooks(trainer, None, rollout)
 
 
+class Returns(RolloutCallback):
+    """Returns ``value`` from both rollout hooks, or applies it to what it is given when it is callable."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @override
+    def on_prompts(self, trainer, pl_module, batch):
+        return self.value(batch) if callable(self.value) else self.value
+
+    @override
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        return self.value(rollout) if callable(self.value) else self.value
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, r"Returns.on_prompts returned bool; return the batch it was given with its rows filtered"),
+        (lambda batch: batch["prompt"], r"Returns.on_prompts returned list; return the batch"),
+        (lambda batch: {"prompt": batch["prompt"][:1]}, r"Returns.on_prompts returned a batch without \['fields', "
+         r"'prompt_ids'\]"),
+        (lambda batch: {**batch, "prompt": batch["prompt"][:1]}, r"Returns.on_prompts returned a batch whose columns "
+         r"hold different numbers of prompts \(prompt 1, prompt_ids 2, fields\['answer'\] 2\)"),
+    ],
+)  # fmt: skip
+def test_a_prompt_hook_that_returns_no_batch_of_prompts_is_refused_by_name(value, message):
+    trainer = type("T", (), {"callbacks": [Returns(value)]})()
+    batch = {"prompt": ["1=", "2="], "prompt_ids": [[1], [2]], "fields": {"answer": ["1", "2"]}}
+    with pytest.raises((TypeError, ValueError), match=message):
+        run_prompt_hooks(trainer, None, batch)
+
+
+def set_reward_list(rollout):
+    rollout.reward = rollout.reward.tolist()  # changed in place, returned as None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, r"Returns.on_rollout_end returned bool; return a Rollout \(an empty one skips the step\) or None"),
+        (set_reward_list, r"after Returns.on_rollout_end: the rollout's reward must be a \[4\] tensor"),
+    ],
+)
+def test_a_rollout_hook_that_returns_no_rollout_or_breaks_it_is_refused_by_name(value, message):
+    trainer = type("T", (), {"callbacks": [Returns(value)]})()
+    rollout = Rollout(*(torch.zeros(4, 1, dtype=torch.long),) * 4, torch.zeros(4, dtype=torch.bool), torch.arange(4))
+    rollout.reward = torch.zeros(4)
+    with pytest.raises((TypeError, ValueError), match=message):
+        run_rollout_hooks(trainer, None, rollout)
+
+
 def digit_share(completions: list[str]) -> torch.Tensor:
     """The reward: the fraction of a completion's characters that are digits (varies within a group)."""
     return torch.tensor([sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions])

@@ -290,6 +290,19 @@ def test_a_kl_penalty_of_beta_0_in_the_reward_leaves_the_rollout_alone():
     torch.testing.assert_close(rollout.reward, torch.linspace(0, 1, len(rollout)))
 
 
+class MisspeltInput(TokenMask):
+    requires = frozenset({"ref_logps"})
+
+    def __call__(self, mask, *, ref_logps):
+        return mask > 0, {}
+
+
+def test_an_input_the_trainer_does_not_compute_is_refused_naming_the_part_and_the_closest_input():
+    with pytest.raises(ValueError, match=r"MisspeltInput requires 'ref_logps', which the trainer does not compute; "
+                                         r"did you mean 'ref_logp'\? it supplies adv, "):  # fmt: skip
+        learner(tiny_model("llama", seed=1), masks=[MisspeltInput()])
+
+
 def test_the_empty_loss_warning_counts_steps_in_a_row_only(caplog):
     """A step that trains resets the streak: 4 empty steps, a trained one, then 4 empty ones is no warning yet."""
     import logging
@@ -373,6 +386,7 @@ def test_steps_whose_per_update_masks_leave_the_gate_no_token_count_into_the_emp
             assert taught.empty_streak == step + 1
     [warning] = [r.getMessage() for r in caplog.records if "no token was left in the loss" in r.getMessage()]
     assert "for 5 steps in a row" in warning and "DropsAbove" in warning
+    assert "OverlongFilter" not in warning and "max_new_tokens" not in warning  # no such part: not the cause
 
 
 class Normalised(TokenMean):
