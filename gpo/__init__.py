@@ -24,3 +24,14 @@ def lazy_dir(namespace: Mapping[str, object], homes: Mapping[str, str]) -> Calla
         return sorted({*namespace, *homes})
 
     return __dir__
+
+
+_HOMES = {
+    "GPOModule": "gpo.train.module",
+    "Optimization": "gpo.train.optimization",
+    "PromptDataModule": "gpo.train.data",
+}
+__all__ = sorted(_HOMES)
+
+__getattr__ = lazy_exports("gpo", _HOMES)
+__dir__ = lazy_dir(globals(), _HOMES)

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("package", ["gpo.callbacks", "gpo.rollout"])
+@pytest.mark.parametrize("package", ["gpo", "gpo.callbacks", "gpo.rollout"])
 def test_dir_lists_every_name_imported_on_first_use(package):
     module = importlib.import_module(package)
     assert set(module.__all__) <= set(dir(module)), sorted(set(module.__all__) - set(dir(module)))
