@@ -39,6 +39,7 @@ class ExportPolicy(Callback):
         if folder is not None and not isinstance(folder, str | os.PathLike):
             raise ValueError(f"ExportPolicy folder={folder!r} must be a path, or None for <log dir>/export.")
         self.mode, self.folder = mode, folder
+        self._exported = False  # by this fit
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -56,12 +57,24 @@ class ExportPolicy(Callback):
             )
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._exported = False
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from gpo.models.export import export_policy
 
         folder = self._folder(trainer)  # on every rank: trainer.log_dir broadcasts rank 0's
         if trainer.is_global_zero:
             export_policy(pl_module.policy, pl_module.tokenizer, folder, merge=self.mode == "merged")
+        self._exported = True
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fit with nothing left to train (resumed from its last step's checkpoint: a run killed during its export)
+        gets no ``on_train_end`` from Lightning, and ended without the export."""
+        if not self._exported:
+            self.on_train_end(trainer, pl_module)
 
     def _folder(self, trainer: Trainer) -> Path:
         """``folder``, else ``<log dir>/export``; to be asked on every rank (``trainer.log_dir`` is a collective)."""

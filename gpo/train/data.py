@@ -202,6 +202,10 @@ class PromptDataModule(LightningDataModule):
                     "not text; give every row a prompt string."
                 )
             ids = _tokenize(tokenizer, text, use_template)
+            if not ids:  # nothing to sample from: a batch of them crashed in generate, one among others sampled noise
+                raise ValueError(
+                    f"{source} row {index}: the prompt is empty (no tokens); give every row a prompt, or remove it."
+                )
             if len(ids) > self.max_prompt_length:
                 if self.long_prompts == "error":
                     raise ValueError(

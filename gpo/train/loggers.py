@@ -11,9 +11,11 @@ from there on (each TensorBoard logger marks its first step as a session start).
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +65,45 @@ class ContinuedWriter(ExperimentWriter):
         if self._kept is not None and self.metrics:
             first = min(int(row["step"]) for row in self.metrics)
             kept = [row for row in self._kept if not row.get("step") or int(row["step"]) < first]
+            self._keep_other_values_at(first)
             self._kept = None
             self._record_new_keys()
-            with open(self.metrics_file_path, "w", newline="") as file:
-                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
-                writer.writeheader()
-                writer.writerows(kept)
+            replace_rows(Path(self.metrics_file_path), self.metrics_keys, kept)
         super().save()
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        # Lightning's rewrite truncates the file first: a kill or a full disk meanwhile lost every row
+        with open(self.metrics_file_path, newline="") as file:
+            rows = list(csv.DictReader(file))
+        replace_rows(Path(self.metrics_file_path), fieldnames, rows)
+
+    def _keep_other_values_at(self, step: int) -> None:
+        """The earlier row at ``step`` joins the new one when none of its values is logged again there: a run stopped
+        by a signal during the evaluation after ``step`` resumes by evaluating it again, and trains from the next step,
+        so its ``val/*`` row at ``step`` replaces no training values."""
+        new = next(row for row in self.metrics if int(row["step"]) == step)
+        logged = {key for row in self.metrics if int(row["step"]) == step for key in row} - {"step", "epoch"}
+        for row in self._kept:
+            values = {key: value for key, value in row.items() if value not in ("", None) and key != "step"}
+            if row.get("step") and int(row["step"]) == step and not (values.keys() - {"epoch"}) & logged:
+                new.update({key: value for key, value in values.items() if key not in new})
+
+
+def replace_rows(path: Path, fieldnames: list[str], rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` as the CSV file ``path`` in one step: to ``.<name>.tmp-<pid>`` beside it, then renamed over
+    it, so that a kill or a full disk midway leaves the previous file whole."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with temporary.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 class ContinuedCSVLogger(CSVLogger):
@@ -92,7 +126,8 @@ class ContinuedCSVLogger(CSVLogger):
     @override
     @rank_zero_only
     def save(self) -> None:
-        super().save()
+        with naming(self.log_dir):
+            super().save()
         self._saved_at = time.monotonic()
 
     @property
@@ -111,7 +146,8 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
     The first step it writes is marked as the start of a session (``SessionLog.START``, as tensorboardX's
     ``purge_step`` does). In a run resumed from a checkpoint, which logs again the steps the run before it logged
     after that checkpoint, TensorBoard takes the second start in the folder for a restart and drops the earlier
-    points at that step and later: each step is shown once (without the mark, twice).
+    points at that step and later: each step is shown once (without the mark, twice). A first call of ``val/*`` values
+    alone (a resume that evaluates again the step whose evaluation a signal stopped) marks the next step.
 
     tensorboardX sends every event through a 10-slot multiprocessing queue to its writer thread, so Lightning's
     ``add_scalar`` per key costs about 1 ms for 30 keys and blocks while the thread drains the queue; one event with
@@ -139,7 +175,10 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
             super().log_metrics(groups, step)
         if not self._session_started and step is not None:
             self._session_started = True
-            start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
+            # an evaluation first: a resume that evaluates again the step whose evaluation a signal stopped, and trains
+            # from the next; its session starts there, or TensorBoard dropped the training values of that step
+            evaluation = all(key.startswith("val/") or key == "epoch" for key in metrics)
+            start = Event(step=step + evaluation, session_log=SessionLog(status=SessionLog.START))
             self.experiment._get_file_writer().add_event(start)
         prefix = f"{self._prefix}{self.LOGGER_JOIN_CHAR}" if self._prefix else ""
         values = [
@@ -156,14 +195,42 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
         already taken from its queue: an evaluation logged just before a checkpoint, then a crash, lost its points. So
         the thread is stopped (it writes what is queued before its stop signal), the file flushed, and a new thread
         started on the same queue and file (tensorboardX 2.6's internals; pyproject.toml keeps it below 2.7)."""
-        super().save()
-        file_writer = self._experiment.file_writer if self._experiment is not None else None
-        if file_writer is not None:  # None: closed (finalize); _get_file_writer would open a new, empty file
-            events = file_writer.event_writer
-            events._worker.stop()
-            events.flush()
-            events._worker = _EventLoggerThread(events._event_queue, events._ev_writer, events._flush_secs)
-            events._worker.start()
+        with naming(self.log_dir):
+            super().save()
+            file_writer = self._experiment.file_writer if self._experiment is not None else None
+            if file_writer is not None:  # None: closed (finalize); _get_file_writer would open a new, empty file
+                events = file_writer.event_writer
+                events._worker.stop()
+                events.flush()
+                events._worker = _EventLoggerThread(events._event_queue, events._ev_writer, events._flush_secs)
+                events._worker.start()
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        try:
+            with naming(self.log_dir):
+                super().finalize(status)
+        except OSError:
+            # what could not be written now never will be: tensorboardX's exit hook would try again and print a
+            # traceback under gpo's one-line error
+            file_writer = self._experiment.file_writer if self._experiment is not None else None
+            if file_writer is not None:
+                file_writer.event_writer._closed = True
+                file_writer.event_writer._worker.stop()
+            raise
+
+
+@contextmanager
+def naming(folder: str) -> Iterator[None]:
+    """An ``OSError`` without a file name (a full disk met by a write or a flush: ``[Errno 28] No space left on
+    device``) raised again naming ``folder``, so that ``gpo`` prints it as one line with the path, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror, folder) from error
 
 
 def default_loggers(root: str, resume: bool = False) -> list[Logger]:

@@ -1,5 +1,6 @@
 """LoRA training, the reference as the adapter switched off, held-out evaluation and the exported folder."""
 
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -254,6 +255,25 @@ def test_export_policy_refuses_a_folder_holding_other_files_before_training(work
     with pytest.raises(FileExistsError, match=rf"ExportPolicy folder: {tmp_path} holds files that no gpo export"):
         trainer.fit(module, PromptDataModule(data, tokenizer=model, prompts_per_step=4))
     assert trainer.global_step == 0 and [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_killed_during_its_export_exports_when_resumed(workspace, tmp_path):
+    """The checkpoint of the last step is written before the export: a run killed while exporting resumes with
+    nothing to train, which Lightning ends without on_train_end. The export is written then."""
+    from gpo.callbacks import ResumeCheckpoint
+    from gpo.models.export import EXPORT_MARK
+
+    _, model, data = workspace
+
+    def trainer():
+        return L.Trainer(max_steps=2, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                         callbacks=[ResumeCheckpoint(), ExportPolicy(folder=str(tmp_path / "export"))])  # fmt: skip
+
+    trainer().fit(tiny_module(model), PromptDataModule(data, tokenizer=model, prompts_per_step=4))
+    shutil.rmtree(tmp_path / "export")  # as a kill during the export leaves it: absent
+    resumed = trainer()
+    resumed.fit(tiny_module(model), PromptDataModule(data, tokenizer=model, prompts_per_step=4), ckpt_path="last")
+    assert resumed.global_step == 2 and (tmp_path / "export" / EXPORT_MARK).is_file()
 
 
 def test_an_adapter_records_its_base_model_as_an_absolute_folder(workspace, monkeypatch):

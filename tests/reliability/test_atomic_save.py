@@ -78,6 +78,28 @@ def test_a_truncated_file_is_refused_and_names_the_other_checkpoints(tmp_path):
         load_checkpoint_file(tmp_path / "last.ckpt")
 
 
+def test_a_checkpoint_with_a_flipped_byte_in_a_tensor_is_refused_not_loaded_as_it_is(tmp_path):
+    """torch.load does not check the CRC-32 each record of the archive carries: the changed weights loaded silently and
+    a resumed run trained on from them."""
+    torch.save({"w": torch.ones(1000)}, tmp_path / "last.ckpt")
+    data = bytearray((tmp_path / "last.ckpt").read_bytes())
+    start = data.index(torch.ones(1000).numpy().tobytes())  # the tensor's bytes, stored uncompressed
+    data[start + 100] ^= 0xFF
+    (tmp_path / "last.ckpt").write_bytes(bytes(data))
+    assert not torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["w"], torch.ones(1000))  # torch
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*Bad CRC-32 for file '.*/data/0'"):
+        load_checkpoint_file(tmp_path / "last.ckpt")
+
+
+def test_a_checkpoint_written_without_crcs_loads(tmp_path):
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(1000)}, tmp_path / "last.ckpt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert load_checkpoint_file(tmp_path / "last.ckpt")["w"].sum() == 1000
+
+
 class RemoveFolder(L.Callback):
     def __init__(self, folder: Path, at_batch: int):
         self.folder, self.at_batch = folder, at_batch

@@ -295,6 +295,7 @@ def test_the_prompt_column_is_not_passed_on_among_the_other_columns(tmp_path, to
     ("rows", "kwargs", "message"),
     [
         ([{"prompt": "ok"}, {"prompt": 7}], {}, r"row 1: column 'prompt' \(data.prompt_column\) holds 7, not text"),
+        ([{"prompt": "ok"}, {"prompt": ""}], {}, r"row 1: the prompt is empty \(no tokens\); give every row a prompt"),
         ([{"prompt": "ok"}], {"chat_template": True}, r"chat_template=True but the tokenizer has no chat template"),
     ],
 )

@@ -3,6 +3,7 @@ the callbacks and the progress bar every batch, and logging never changes the ru
 
 import csv
 import struct
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -335,6 +336,87 @@ def test_a_resumed_csv_keeps_the_rows_before_its_first_step_and_the_new_rows_fro
         {"step": "2", "loss": "20.0"},
         {"step": "3", "loss": "30.0"},
         {"step": "4", "loss": "40.0", "reward": "1.0"},
+    ]
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["new column", "resumed"])
+def test_a_csv_rewrite_cut_short_leaves_the_rows_already_written(tmp_path, monkeypatch, resumed):
+    """metrics.csv is written again whole when a column appears (the first evaluation's) and at a resume's first save:
+    a full disk (or a kill) in the middle of that write leaves the file as it was, not emptied."""
+    (logger, _) = default_loggers(str(tmp_path))
+    for step in range(3):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    logger.save()
+    before = csv_rows(logger)
+    if resumed:
+        (logger, _) = default_loggers(str(tmp_path), resume=True)
+    logger.log_metrics({"loss": 9.0, "val/reward": 1.0}, step=3)
+
+    def disk_full(writer, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        logger.save()
+    assert csv_rows(logger) == before
+    assert [p.name for p in Path(logger.log_dir).iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_full_disk_met_by_the_loggers_names_their_folder_and_is_printed_as_one_line(tmp_path, monkeypatch):
+    """A write or flush that meets a full disk raises ``OSError(28)`` without a file name, which gpo took for a bug
+    and showed as a 95-line traceback; named, ``gpo`` prints it in one line. tensorboardX's exit hook does not try
+    the failed flush again (it printed another traceback below the message)."""
+    from tensorboardX.record_writer import RecordWriter
+
+    from gpo.cli import is_user_error
+
+    def disk_full(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():  # tensorboardX's writer thread flushes too
+            raise OSError(28, "No space left on device")
+
+    csv_logger, tensorboard = default_loggers(str(tmp_path))
+    for logger in (csv_logger, tensorboard):
+        logger.log_metrics({"loss": 1.0}, step=0)
+    monkeypatch.setattr(RecordWriter, "flush", disk_full)
+    monkeypatch.setattr(csv.DictWriter, "writerows", disk_full)
+    for failing in (csv_logger.save, tensorboard.save, lambda: tensorboard.finalize("failed")):
+        with pytest.raises(OSError) as raised:
+            failing()
+        assert raised.value.errno == 28 and raised.value.filename is not None and is_user_error(raised.value)
+        assert Path(raised.value.filename).is_relative_to(tmp_path)
+    tensorboard.experiment.file_writer.event_writer.close()  # what the exit hook calls: nothing left to flush
+
+
+def test_a_resume_that_evaluates_its_last_step_again_keeps_that_steps_training_row(tmp_path):
+    """Stopped by a signal during the evaluation after step 3, a run resumes by evaluating step 3 again and trains from
+    step 4: its first row, step 3's val/* values, replaced the training row of step 3, which no run logs again."""
+    (stopped, _) = default_loggers(str(tmp_path))
+    for step in range(4):
+        stopped.log_metrics({"loss": float(step), "epoch": 0}, step=step)
+    stopped.save()
+    (resumed, _) = default_loggers(str(tmp_path), resume=True)
+    resumed.log_metrics({"val/reward": 0.5, "epoch": 0}, step=3)
+    resumed.save()
+    resumed.log_metrics({"loss": 4.0, "epoch": 0}, step=4)
+    resumed.save()
+    assert csv_rows(resumed)[3:] == [
+        {"step": "3", "loss": "3.0", "val/reward": "0.5", "epoch": "0"},
+        {"step": "4", "loss": "4.0", "epoch": "0"},
+    ]
+
+
+def test_a_resume_that_evaluates_first_starts_its_tensorboard_session_at_the_next_step(tmp_path):
+    """TensorBoard drops the earlier points at the session start's step and later: marked at the evaluation's step, the
+    start dropped that step's training values, which no run logs again."""
+    (_, tensorboard) = default_loggers(str(tmp_path))
+    tensorboard.log_metrics({"val/reward": 0.5, "epoch": 0}, step=3)
+    tensorboard.log_metrics({"loss": 4.0}, step=4)
+    tensorboard.finalize("success")
+    events = [e for e in tensorboard_events(tmp_path) if not e.file_version]
+    assert [(e.step, e.session_log.status == event_pb2.SessionLog.START) for e in events] == [
+        (4, True),
+        (3, False),
+        (4, False),
     ]
 
 
