@@ -235,6 +235,23 @@ def test_the_error_names_the_yaml_file_that_holds_the_setting(root, tmp_path, ca
     assert "unknown setting model.knobs.use_ppo_clip" in err and f"(set in {old})" in err, err
 
 
+def test_an_error_about_a_setting_given_as_a_flag_names_no_config_file(root, tmp_path, capsys):
+    # quickstart.yaml sets data.path too: blamed for the flag's file, it sent the user to the wrong place
+    from gpo.cli import run
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "12="}\n\xff bad\n')
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"data:\n  path: {bad}\n")
+    model = f"--model.policy={root / 'model'}"
+    for args, blamed in [((f"--data.path={bad}",), None), ((f"--config={mine}",), mine)]:
+        with pytest.raises(SystemExit):
+            run(["fit", f"--config={QUICKSTART}", *args, model, "--trainer.max_steps=1"])
+        err = capsys.readouterr().err
+        assert "line 2 is not UTF-8" in err, err
+        assert (f"(set in {blamed})" in err) if blamed else ("(set in" not in err), err
+
+
 def test_a_gpu_asked_for_on_a_machine_without_one_names_the_setting_and_the_fix():
     from gpo.cli.errors import explain
 

@@ -21,7 +21,7 @@ from gpo.cli.blame import raised_in_user_code, with_owner
 from gpo.cli.commands import export_checkpoint_command, make_tiny, plot_curves
 from gpo.cli.errors import explain
 from gpo.cli.helptext import SUBCOMMANDS
-from gpo.cli.shipped import config_files, setup_steps, with_shipped_configs
+from gpo.cli.shipped import command_line_keys, config_files, setup_steps, with_shipped_configs
 from gpo.suggest import did_you_mean
 
 #: The small commands, by name: the function that runs one (given the arguments after its name) and its line in
@@ -118,7 +118,7 @@ def run(argv: list[str] | None = None) -> None:
         if not is_user_error(error) or os.environ.get("GPO_TRACEBACK"):
             raise
         files = config_files(args)
-        text = with_owner(explain(str(error), files, known_groups()), error)
+        text = with_owner(explain(str(error), files, known_groups(), command_line_keys(args)), error)
         where = raised_in_user_code(error)
         text = f"{text} (raised at {where})" if where is not None else text
         if isinstance(error, FileNotFoundError):  # a missing model or data file: the config's set-up step not run?

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from gpo.cli.moved import ELSEWHERE_KEYS, MOVED_KEYS, MOVED_PATHS, REPLACED_KEYS
-from gpo.cli.shipped import file_holding
+from gpo.cli.shipped import file_holding, given_on_command_line
 from gpo.suggest import did_you_mean
 
 #: The settings at the top of ``gpo fit`` and ``gpo validate`` (the groups, and Lightning's and gpo's own flags).
@@ -70,11 +70,14 @@ _NO_VALUE = "Given value: None"  # a required setting that no config and no flag
 _GOT_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.MULTILINE)
 
 
-def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None) -> str:
+def explain(
+    message: str, config_files: Iterable[str] = (), known: Mapping[str, Any] | None = None, flags: Iterable[str] = ()
+) -> str:
     """A short account of a parser error ``message``: the key, what is wrong, the file it came from and a hint.
 
-    ``config_files`` are the ``--config`` files of the command (searched for the key); ``known`` maps a group key
-    (``model.optim``) to the class or dataclass whose parameters are its valid sub-keys. A message that is not
+    ``config_files`` are the ``--config`` files of the command (searched for the key, unless one of ``flags``, the
+    settings given on the command line, sets it); ``known`` maps a group key (``model.optim``) to the class or
+    dataclass whose parameters are its valid sub-keys. A message that is not
     jsonargparse's (gpo's own checks say what to do already) is returned as it is."""
     moved = [f"{old} moved: use {new}." for old, new in MOVED_PATHS.items() if old.lower() in message.lower()]
     if message.startswith(_YAML_PROBLEM):
@@ -83,11 +86,14 @@ def explain(message: str, config_files: Iterable[str] = (), known: Mapping[str, 
         return f"trainer.accelerator: {message} {_NO_GPU_FIX}"
     if not any(marker in message for marker in JSONARGPARSE_MARKERS):  # gpo's own check: it names key and fix
         own = _OWN_SETTING.match(message)
-        source = own and file_holding(own.group(1), config_files, own.group(2) and own.group(2).strip("'\""))
+        value = own and own.group(2) and own.group(2).strip("'\"")
+        given = own and given_on_command_line(own.group(1), flags)
+        source = own and not given and file_holding(own.group(1), config_files, value)
         return "\n".join([message, *([f"(set in {source})"] if source else []), *moved])
     key, problem, unknown = _key_and_problem(message)
     rejected_value = None if unknown else _GOT_VALUE.search(message)
-    source = file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key else None
+    given = key is not None and given_on_command_line(key, flags)
+    source = file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key and not given else None
     if key is not None and not unknown and message.rstrip().endswith(_NO_VALUE):
         lines = [_unset(key.replace(".init_args.", "."), source, config_files)]
     else:

@@ -98,6 +98,20 @@ def config_files(args: list[str]) -> list[str]:
     return found
 
 
+def command_line_keys(args: list[str]) -> set[str]:
+    """The settings ``args`` give as flags (``--data.path x``, ``--model.group_size=4``), as written: a message about
+    one of them names no config file."""
+    return {arg[2:].partition("=")[0] for arg in args if arg.startswith("--") and arg not in _CONFIG_FLAGS}
+
+
+def given_on_command_line(key: str, flags: Iterable[str]) -> bool:
+    """Whether ``key`` (``model.engine.init_args.sampling``), a setting under it or one holding it is among
+    ``flags``."""
+    written = key.replace(".init_args.", ".")
+    flags = {flag.replace(".init_args.", ".") for flag in flags}
+    return any(flag == written or flag.startswith(written + ".") or written.startswith(flag + ".") for flag in flags)
+
+
 #: A config's set-up step, in its header comment: ``# Set up ...:  COMMAND``.
 _SETUP = re.compile(r"\bSet up\b[^:]*:\s+(\S.*)")
 
