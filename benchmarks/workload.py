@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -43,8 +42,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_preset_argument(parser: argparse.ArgumentParser) -> None:
     """``--preset quickstart|long``: that workload's sizes become the defaults, so explicit flags still win."""
     parser.add_argument("--preset", choices=sorted(PRESETS), help="workload sizes (explicit flags still override)")
-    if "--preset" in sys.argv:
-        parser.set_defaults(**PRESETS[sys.argv[sys.argv.index("--preset") + 1]])
+    first = argparse.ArgumentParser(prog=parser.prog, add_help=False)  # read --preset alone, in any spelling
+    first.add_argument("--preset", choices=sorted(PRESETS))
+    preset = first.parse_known_args()[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
 
 
 def mean_sd(values: list[float]) -> str:
