@@ -9,7 +9,7 @@ LightningModule can run with ``run_prompt_hooks`` / ``run_rollout_hooks``):
   return a replacement rollout (more or fewer groups), or None to keep it.
 """
 
-from gpo import lazy_dir, lazy_exports
+from gpo import lazy_exports
 
 _HOMES = {
     "CompletionSamples": "gpo.callbacks.completion_samples",
@@ -22,7 +22,4 @@ _HOMES = {
     "VLLMWeightSync": "gpo.callbacks.vllm_weight_sync",
 }
 
-__all__ = sorted(_HOMES)
-
-__getattr__ = lazy_exports("gpo.callbacks", _HOMES)
-__dir__ = lazy_dir(globals(), _HOMES)
+__getattr__, __dir__, __all__ = lazy_exports("gpo.callbacks", _HOMES, globals())

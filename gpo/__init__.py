@@ -4,34 +4,26 @@ import importlib
 from collections.abc import Callable, Mapping
 
 
-def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], object]:
-    """A module ``__getattr__`` for ``package`` that imports each exported name from its home module on first use
-    (PEP 562), so importing the package costs nothing its user does not take."""
+def lazy_exports(
+    package: str, homes: dict[str, str], namespace: Mapping[str, object] | None = None
+) -> tuple[Callable[[str], object], Callable[[], list[str]], list[str]]:
+    """A package's ``__getattr__``, ``__dir__`` and ``__all__`` (PEP 562) for the names ``homes`` maps to the modules
+    that define them: each is imported on first use, so importing ``package`` costs nothing its user does not take,
+    and ``dir()``, tab completion and ``help()`` list them beside the names of ``namespace`` (its ``globals()``)."""
 
     def __getattr__(name: str) -> object:
         if name not in homes:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         return getattr(importlib.import_module(homes[name]), name)
 
-    return __getattr__
-
-
-def lazy_dir(namespace: Mapping[str, object], homes: Mapping[str, str]) -> Callable[[], list[str]]:
-    """A module ``__dir__`` (PEP 562) that lists the names ``lazy_exports`` imports on first use beside those of
-    ``namespace`` (the module's ``globals()``), so ``dir()``, tab completion and ``help()`` show them."""
-
     def __dir__() -> list[str]:
-        return sorted({*namespace, *homes})
+        return sorted({*(namespace or {}), *homes})
 
-    return __dir__
+    return __getattr__, __dir__, sorted(homes)
 
 
-_HOMES = {
-    "GPOModule": "gpo.train.module",
-    "Optimization": "gpo.train.optimization",
-    "PromptDataModule": "gpo.train.data",
-}
-__all__ = sorted(_HOMES)
-
-__getattr__ = lazy_exports("gpo", _HOMES)
-__dir__ = lazy_dir(globals(), _HOMES)
+__getattr__, __dir__, __all__ = lazy_exports(
+    "gpo",
+    {"GPOModule": "gpo.train.module", "Optimization": "gpo.train.optimization", "PromptDataModule": "gpo.train.data"},
+    globals(),
+)

@@ -53,7 +53,9 @@ UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, er
 __all__ = ["GPOCLI", "default_loggers", "main", "run"]
 # Lightning's CLI is imported when first used: ``gpo --help`` and the small commands start without Lightning (about
 # 4 s of imports).
-__getattr__ = lazy_exports("gpo.cli", {"GPOCLI": "gpo.cli.fit", "default_loggers": "gpo.train.loggers"})
+__getattr__, __dir__, _ = lazy_exports(
+    "gpo.cli", {"GPOCLI": "gpo.cli.fit", "default_loggers": "gpo.train.loggers"}, globals()
+)
 
 
 def main(argv: list[str] | None = None) -> None:

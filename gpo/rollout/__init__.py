@@ -1,7 +1,7 @@
 """Rollout engines: prompts in, grouped completions (token ids, masks, log-probs) out; and the Collector that scores
 them. Names are imported on first use, so ``gpo.rollout.base`` (what callbacks need) does not pull in the engines."""
 
-from gpo import lazy_dir, lazy_exports
+from gpo import lazy_exports
 
 _HOMES = {
     "Collector": "gpo.rollout.collector",
@@ -12,7 +12,4 @@ _HOMES = {
     "Sampling": "gpo.rollout.base",
 }
 
-__all__ = sorted(_HOMES)
-
-__getattr__ = lazy_exports("gpo.rollout", _HOMES)
-__dir__ = lazy_dir(globals(), _HOMES)
+__getattr__, __dir__, __all__ = lazy_exports("gpo.rollout", _HOMES, globals())
