@@ -146,8 +146,8 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
     The first step it writes is marked as the start of a session (``SessionLog.START``, as tensorboardX's
     ``purge_step`` does). In a run resumed from a checkpoint, which logs again the steps the run before it logged
     after that checkpoint, TensorBoard takes the second start in the folder for a restart and drops the earlier
-    points at that step and later: each step is shown once (without the mark, twice). A first call of ``val/*`` values
-    alone (a resume that evaluates again the step whose evaluation a signal stopped) marks the next step.
+    points at that step and later: each step is shown once (without the mark, twice). A resume that first evaluates
+    again the step whose evaluation a signal stopped marks the next step (``evaluation_repeated_first``).
 
     tensorboardX sends every event through a 10-slot multiprocessing queue to its writer thread, so Lightning's
     ``add_scalar`` per key costs about 1 ms for 30 keys and blocks while the thread drains the queue; one event with
@@ -158,6 +158,7 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._session_started = False
+        self._session_starts_after_first_step = False
 
     @property
     @rank_zero_experiment
@@ -167,6 +168,12 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
             self._experiment = tensorboardX.SummaryWriter(log_dir=self.log_dir, **self._kwargs)
         return self._experiment
 
+    def evaluation_repeated_first(self) -> None:
+        """The run's first logged step is an evaluation done again (``ResumeCheckpoint``: a resume of a run a signal
+        stopped during that evaluation), whose step's training values the earlier run logged and no run logs again:
+        the session starts at the next step, or TensorBoard would drop them."""
+        self._session_starts_after_first_step = True
+
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float | Tensor | dict], step: int | None = None) -> None:
@@ -175,10 +182,8 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
             super().log_metrics(groups, step)
         if not self._session_started and step is not None:
             self._session_started = True
-            # an evaluation first: a resume that evaluates again the step whose evaluation a signal stopped, and trains
-            # from the next; its session starts there, or TensorBoard dropped the training values of that step
-            evaluation = all(key.startswith("val/") or key == "epoch" for key in metrics)
-            start = Event(step=step + evaluation, session_log=SessionLog(status=SessionLog.START))
+            first = step + self._session_starts_after_first_step
+            start = Event(step=first, session_log=SessionLog(status=SessionLog.START))
             self.experiment._get_file_writer().add_event(start)
         prefix = f"{self._prefix}{self.LOGGER_JOIN_CHAR}" if self._prefix else ""
         values = [

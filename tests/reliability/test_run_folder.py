@@ -4,6 +4,7 @@ resume under another model or algorithm is refused naming the difference; what a
 its weights (generators, each rank's draws, the settings a resume compares); an evaluation cut short by a crash is
 run again."""
 
+import csv
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from gpo.algo.state import PartState
 from gpo.callbacks import ResumeCheckpoint
 from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
+from gpo.train.loggers import default_loggers
 from gpo.train.run_state import (
     capture_random_state,
     changed_keys,
@@ -42,6 +44,7 @@ from gpo.train.run_state import (
     warn_changed_settings,
 )
 from tests.tiny import prompts, quiet_trainer, tiny_module
+from tests.train.test_logging import event_pb2, events_of
 
 
 def fit(tiny_assets, folder, steps=2, ckpt_path=None, **module_kwargs):
@@ -184,10 +187,12 @@ def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_exits_143_an
     model, data = tiny_assets
     folder = tmp_path / "checkpoints"
 
-    def fit(evaluations, ckpt_path=None):
+    def fit(evaluations, ckpt_path=None, logs="run"):
         checkpoints = ResumeCheckpoint(dirpath=folder, every_n_train_steps=100)
+        loggers = default_loggers(str(tmp_path / logs), resume=ckpt_path is not None)
         trainer = quiet_trainer(6, [checkpoints, evaluations], enable_checkpointing=True, val_check_interval=3,
-                                check_val_every_n_epoch=None, num_sanity_val_steps=0)  # fmt: skip
+                                check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=loggers,
+                                log_every_n_steps=1)  # fmt: skip
         module = tiny_module(model, rewards=(digit_share,))
         trainer.fit(module, prompts(model, data, val_size=16), ckpt_path=ckpt_path)  # 16 held-out prompts: 4 batches
         return module
@@ -202,10 +207,23 @@ def test_sigterm_during_an_evaluation_checkpoints_the_finished_step_exits_143_an
     assert resumed.batches == [(3, 0), (3, 1), (3, 2), (3, 3), (6, 0), (6, 1), (6, 2), (6, 3)]  # step 3 again, whole
     (folder / "last.ckpt").unlink()
     uninterrupted = Evaluations()
-    whole = fit(uninterrupted)
+    whole = fit(uninterrupted, logs="whole")
     assert resumed.metrics == uninterrupted.metrics and 0 < uninterrupted.metrics[3]["val/reward_sampled"] < 1
     for name, tensor in whole.state_dict().items():
         assert torch.equal(resumed_module.state_dict()[name], tensor), name
+    # every value logged once: step 3's training row kept beside its evaluation done again, in both loggers
+    logged = {logs: logged_values(tmp_path / logs) for logs in ("run", "whole")}
+    assert logged["run"] == logged["whole"] and ("2", "val/reward_sampled") in logged["run"]
+    _, again = sorted((tmp_path / "run").rglob("events.out.tfevents.*"), key=lambda path: path.stat().st_mtime)
+    [start] = [event.step for event in events_of(again) if event.session_log.status == event_pb2.SessionLog.START]
+    assert start == 3  # the step after the evaluation's (2, the third batch's index): step 2's training points stay
+
+
+def logged_values(root) -> set[tuple[str, str]]:
+    """The (step, key) pairs of ``metrics.csv`` under ``root`` that hold a value."""
+    (path,) = root.rglob("metrics.csv")
+    with path.open() as file:
+        return {(row["step"], key) for row in csv.DictReader(file) for key, value in row.items() if value}
 
 
 class PromptsSeen(L.Callback):

@@ -405,16 +405,21 @@ def test_a_resume_that_evaluates_its_last_step_again_keeps_that_steps_training_r
     ]
 
 
-def test_a_resume_that_evaluates_first_starts_its_tensorboard_session_at_the_next_step(tmp_path):
-    """TensorBoard drops the earlier points at the session start's step and later: marked at the evaluation's step, the
-    start dropped that step's training values, which no run logs again."""
+@pytest.mark.parametrize("repeated", [True, False], ids=["evaluation_repeated", "evaluation_first"])
+def test_a_resume_that_evaluates_again_first_starts_its_tensorboard_session_at_the_next_step(tmp_path, repeated):
+    """TensorBoard drops the earlier points at the session start's step and later: marked at the step of an evaluation
+    done again (told by ResumeCheckpoint), the start dropped that step's training values, which no run logs again.
+    An evaluation that is the first thing a run logs for another reason (one logged before a kill, logged again)
+    starts the session at its step: the earlier point is dropped, not shown twice."""
     (_, tensorboard) = default_loggers(str(tmp_path))
+    if repeated:
+        tensorboard.evaluation_repeated_first()
     tensorboard.log_metrics({"val/reward": 0.5, "epoch": 0}, step=3)
     tensorboard.log_metrics({"loss": 4.0}, step=4)
     tensorboard.finalize("success")
     events = [e for e in tensorboard_events(tmp_path) if not e.file_version]
     assert [(e.step, e.session_log.status == event_pb2.SessionLog.START) for e in events] == [
-        (4, True),
+        (4 if repeated else 3, True),
         (3, False),
         (4, False),
     ]
