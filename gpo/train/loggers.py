@@ -14,6 +14,7 @@ import csv
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -165,7 +166,10 @@ class OneEventTensorBoardLogger(TensorBoardLogger):
     def experiment(self) -> tensorboardX.SummaryWriter:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = tensorboardX.SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+            # tensorboardX names a file by the second it opens it and opens it with "wb": a resume within the same
+            # second as the run before it (a crash at start-up, requeued at once) emptied that run's file
+            unique = {"filename_suffix": f".{os.getpid()}.{uuid.uuid4().hex[:8]}"}
+            self._experiment = tensorboardX.SummaryWriter(log_dir=self.log_dir, **(unique | self._kwargs))
         return self._experiment
 
     def evaluation_repeated_first(self) -> None:

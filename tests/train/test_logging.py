@@ -425,6 +425,20 @@ def test_a_resume_that_evaluates_again_first_starts_its_tensorboard_session_at_t
     ]
 
 
+def test_a_resume_within_the_same_second_keeps_the_earlier_tensorboard_file(tmp_path, monkeypatch):
+    """tensorboardX names an event file by the second it opens it, and opens it with "wb": a resumed run's file
+    opened in the same second as the earlier run's replaced it, and every earlier point was lost."""
+    from tensorboardX import event_file_writer
+
+    monkeypatch.setattr(event_file_writer.time, "time", lambda: 1_000_000_000.0)  # both files in one second
+    for step, resume in [(0, False), (1, True)]:
+        (_, tensorboard) = default_loggers(str(tmp_path), resume=resume)
+        tensorboard.log_metrics({"loss": float(step)}, step=step)
+        tensorboard.finalize("success")
+    files = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert len(files) == 2 and sorted(e.step for path in files for e in events_of(path) if e.summary.value) == [0, 1]
+
+
 def test_a_resume_of_a_root_without_runs_starts_version_0(tmp_path):
     assert [logger.version for logger in default_loggers(str(tmp_path), resume=True)] == [0, 0]
 
