@@ -143,13 +143,8 @@ class ResumeCheckpoint(ModelCheckpoint):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Known only now: whether this run resumed a checkpoint (Lightning loads it after the setup hooks).
-        last = Path(self.dirpath) / "last.ckpt"
-        if trainer.ckpt_path is None and last.is_file():
-            raise FileExistsError(
-                f"{last} holds an earlier run's checkpoint, which this run would overwrite. Continue that run with "
-                "--ckpt_path last (in Python: trainer.fit(..., ckpt_path='last')), or start this one in another folder "
-                "(--trainer.default_root_dir DIR, or ResumeCheckpoint(dirpath=DIR))."
-            )
+        if trainer.ckpt_path is None:
+            check_no_earlier_run(self.dirpath)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -325,3 +320,15 @@ def moved_checkpoint_paths(state: dict[str, Any], old: Path, new: Path) -> dict[
              if key in state}  # fmt: skip
     kept = {moved(path): score for path, score in state.get("best_k_models", {}).items()}
     return {**state, **paths, "best_k_models": kept, "dirpath": str(new)}
+
+
+def check_no_earlier_run(dirpath: str | Path) -> None:
+    """Refuse a run that does not resume in the checkpoint folder ``dirpath`` of an earlier run, whose ``last.ckpt``
+    it would overwrite (``gpo fit`` asks before the model loads, ``ResumeCheckpoint`` when the fit starts)."""
+    last = Path(dirpath) / "last.ckpt"
+    if last.is_file():
+        raise FileExistsError(
+            f"{last} holds an earlier run's checkpoint, which this run would overwrite. Continue that run with "
+            "--ckpt_path last (in Python: trainer.fit(..., ckpt_path='last')), or start this one in another folder "
+            "(--trainer.default_root_dir DIR, or ResumeCheckpoint(dirpath=DIR))."
+        )

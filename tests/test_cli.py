@@ -398,6 +398,17 @@ def test_a_folder_that_cannot_be_written_is_one_line_naming_it(monkeypatch, caps
     assert f"gpo fit: error: [Errno {number}] {os.strerror(number)}: '/mnt/runs/lightning_logs'" in err
 
 
+def test_a_fresh_run_in_an_earlier_runs_folder_is_refused_before_the_model_loads(root):
+    """The refusal came when the fit started, after the model had loaded (a minute for a large one) and its summary
+    was printed; with gpo's own checkpoints it comes first: a policy folder that does not exist is not reached."""
+    fit(root, "earlier")
+    with pytest.raises(FileExistsError, match=r"earlier/checkpoints/last\.ckpt holds an earlier run's checkpoint"):
+        fit(root, "earlier", f"--model.policy={root / 'nowhere'}")
+    with pytest.raises(FileNotFoundError):  # resumed: the model is loaded, and missing
+        fit(root, "earlier", f"--model.policy={root / 'nowhere'}", "--ckpt_path=last")
+    assert sorted(p.name for p in (root / "earlier" / "lightning_logs").iterdir()) == ["version_0"]
+
+
 def test_a_refused_fresh_run_in_a_fixed_log_folder_leaves_the_earlier_runs_config(root):
     """Without the default loggers the log folder is the run folder itself: a second fresh run there is refused (an
     earlier run's checkpoint), and the config.yaml that wrote that checkpoint stays as it was."""

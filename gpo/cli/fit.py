@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 from gpo.callbacks import ExportPolicy, ResumeCheckpoint, StepProgressBar
+from gpo.callbacks.resume_checkpoint import check_no_earlier_run
 from gpo.cli import helptext
 from gpo.cli.parser import SettingsParser
 from gpo.logfilters import drop_messages
@@ -107,6 +108,17 @@ class GPOCLI(LightningCLI):
             help="gpo fit: save the policy to <log dir>/export when training ends: merged (LoRA merged into the "
             "weights), adapter (the LoRA adapter alone) or none",
         )
+
+    def before_instantiate_classes(self) -> None:
+        """A new run in the folder of an earlier one is refused before the model loads (a minute for a large one)
+        when its checkpoints are gpo's default ones; a checkpoint callback of one's own checks when the fit starts."""
+        trainer = self._get(self.config, "trainer", default={}) or {}
+        own = [str(callback.get("class_path", "")) for callback in _as_list(trainer.get("callbacks"))]
+        default_checkpoints = trainer.get("enable_checkpointing") is not False and not any(
+            "Checkpoint" in c for c in own
+        )
+        if self.subcommand == "fit" and self._get(self.config, "ckpt_path") is None and default_checkpoints:
+            check_no_earlier_run(Path(trainer.get("default_root_dir") or os.getcwd()) / "checkpoints")
 
     def instantiate_trainer(self, **kwargs):
         # A logger default in the parser could not follow --trainer.default_root_dir, so fill it in here.
