@@ -118,6 +118,13 @@ def test_the_small_commands_help_is_plain_text_with_every_option_described(name)
             assert after.strip() and not after.strip().startswith("--"), (line, text)
 
 
+def test_gpo_tiny_refuses_no_training_prompts_before_writing_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["tiny", str(tmp_path / "assets"), "--examples", "0"])
+    assert refused.value.code == 2 and "--examples 0: write at least 1 training prompt" in capsys.readouterr().err
+    assert not (tmp_path / "assets").exists()
+
+
 def test_gpo_version_and_python_m_gpo(capsys):
     import subprocess
     import sys

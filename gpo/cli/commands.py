@@ -21,6 +21,10 @@ def make_tiny(argv: list[str]) -> None:
     parser.add_argument("--examples", type=int, default=5000, help="training prompts to write (%(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (%(default)s)")
     args = parser.parse_args(argv)
+    if args.examples < 1:
+        parser.error(
+            f"--examples {args.examples}: write at least 1 training prompt (an empty train.jsonl trains on none)"
+        )
     from gpo.testing import save_tiny_model  # transformers and torch: after --help and argument errors
 
     model = save_tiny_model(f"{args.out}/model", args.arch, seed=args.seed)
