@@ -22,7 +22,7 @@ from typing_extensions import override
 from gpo.callbacks.settings import check_count
 from gpo.parallel import collectives
 from gpo.train.checkpointing import RunLock
-from gpo.train.loggers import OneEventTensorBoardLogger
+from gpo.train.loggers import ContinuedCSVLogger, OneEventTensorBoardLogger
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what shells and schedulers report for a terminated job
 
@@ -219,8 +219,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         if self._evaluation_reopened:  # the evaluation a signal cut short, from its start: counts made whole again
             total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
             total.ready = total.started = total.completed
-            for logger in trainer.loggers:  # the earlier run logged this step's training values
-                if isinstance(logger, OneEventTensorBoardLogger):
+            for logger in trainer.loggers:  # the earlier run logged this step's training values: gpo's keep them
+                if isinstance(logger, ContinuedCSVLogger | OneEventTensorBoardLogger):
                     logger.evaluation_repeated_first()
             self._evaluation_reopened = False
 

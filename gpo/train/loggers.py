@@ -55,6 +55,7 @@ class ContinuedWriter(ExperimentWriter):
                 last.update(self.metrics.pop())
 
     def _check_log_dir_exists(self) -> None:
+        self.evaluation_repeated_first = False  # set by ContinuedCSVLogger.evaluation_repeated_first
         self._kept: list[dict[str, str]] | None = None
         path = Path(self.metrics_file_path)
         if path.is_file():
@@ -66,7 +67,8 @@ class ContinuedWriter(ExperimentWriter):
         if self._kept is not None and self.metrics:
             first = min(int(row["step"]) for row in self.metrics)
             kept = [row for row in self._kept if not row.get("step") or int(row["step"]) < first]
-            self._keep_other_values_at(first)
+            if self.evaluation_repeated_first:
+                self._keep_training_values_at(first)
             self._kept = None
             self._record_new_keys()
             replace_rows(Path(self.metrics_file_path), self.metrics_keys, kept)
@@ -78,16 +80,14 @@ class ContinuedWriter(ExperimentWriter):
             rows = list(csv.DictReader(file))
         replace_rows(Path(self.metrics_file_path), fieldnames, rows)
 
-    def _keep_other_values_at(self, step: int) -> None:
-        """The earlier row at ``step`` joins the new one when none of its values is logged again there: a run stopped
-        by a signal during the evaluation after ``step`` resumes by evaluating it again, and trains from the next step,
-        so its ``val/*`` row at ``step`` replaces no training values."""
+    def _keep_training_values_at(self, step: int) -> None:
+        """The earlier run's values at ``step`` join the new row there, the evaluation done again: a run stopped by a
+        signal during the evaluation after ``step`` resumes by evaluating it again and trains from the next step, so
+        no run logs that step's training values again."""
         new = next(row for row in self.metrics if int(row["step"]) == step)
-        logged = {key for row in self.metrics if int(row["step"]) == step for key in row} - {"step", "epoch"}
         for row in self._kept:
-            values = {key: value for key, value in row.items() if value not in ("", None) and key != "step"}
-            if row.get("step") and int(row["step"]) == step and not (values.keys() - {"epoch"}) & logged:
-                new.update({key: value for key, value in values.items() if key not in new})
+            if row.get("step") and int(row["step"]) == step:
+                new.update({key: value for key, value in row.items() if value not in ("", None) and key not in new})
 
 
 def replace_rows(path: Path, fieldnames: list[str], rows: list[dict[str, Any]]) -> None:
@@ -130,6 +130,12 @@ class ContinuedCSVLogger(CSVLogger):
         with naming(self.log_dir):
             super().save()
         self._saved_at = time.monotonic()
+
+    @rank_zero_only
+    def evaluation_repeated_first(self) -> None:
+        """The run's first logged step is an evaluation done again (``ResumeCheckpoint``: a resume of a run a signal
+        stopped during that evaluation): the earlier run's training values at that step stay in its row."""
+        self.experiment.evaluation_repeated_first = True
 
     @property
     @rank_zero_experiment

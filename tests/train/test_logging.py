@@ -387,20 +387,24 @@ def test_a_full_disk_met_by_the_loggers_names_their_folder_and_is_printed_as_one
     tensorboard.experiment.file_writer.event_writer.close()  # what the exit hook calls: nothing left to flush
 
 
-def test_a_resume_that_evaluates_its_last_step_again_keeps_that_steps_training_row(tmp_path):
-    """Stopped by a signal during the evaluation after step 3, a run resumes by evaluating step 3 again and trains from
-    step 4: its first row, step 3's val/* values, replaced the training row of step 3, which no run logs again."""
+@pytest.mark.parametrize("repeated", [True, False], ids=["evaluation_repeated", "evaluation_first"])
+def test_a_resume_that_evaluates_its_last_step_again_keeps_that_steps_training_row(tmp_path, repeated):
+    """Stopped by a signal during the evaluation after step 3, a run resumes by evaluating step 3 again (told by
+    ResumeCheckpoint) and trains from step 4: its first row, step 3's val/* values, replaced the training row of step
+    3, which no run logs again. Any other run's rows replace the earlier rows from its first step on."""
     (stopped, _) = default_loggers(str(tmp_path))
     for step in range(4):
         stopped.log_metrics({"loss": float(step), "epoch": 0}, step=step)
     stopped.save()
     (resumed, _) = default_loggers(str(tmp_path), resume=True)
+    if repeated:
+        resumed.evaluation_repeated_first()
     resumed.log_metrics({"val/reward": 0.5, "epoch": 0}, step=3)
     resumed.save()
     resumed.log_metrics({"loss": 4.0, "epoch": 0}, step=4)
     resumed.save()
     assert csv_rows(resumed)[3:] == [
-        {"step": "3", "loss": "3.0", "val/reward": "0.5", "epoch": "0"},
+        {"step": "3", "val/reward": "0.5", "epoch": "0", **({"loss": "3.0"} if repeated else {})},
         {"step": "4", "loss": "4.0", "epoch": "0"},
     ]
 
