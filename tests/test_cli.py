@@ -252,6 +252,26 @@ def test_an_error_about_a_setting_given_as_a_flag_names_no_config_file(root, tmp
         assert (f"(set in {blamed})" in err) if blamed else ("(set in" not in err), err
 
 
+@pytest.mark.parametrize(
+    ("key", "flag", "given"),
+    [
+        ("data.path", "data.path", True),
+        ("model.engine.init_args.sampling", "model.engine.sampling.top_p", True),  # a setting under the key
+        ("model.engine.sampling.top_p", "model.engine.init_args.sampling", True),  # the flag holds the key
+        ("model.engine.init_args.sampling.top_p", "model.engine", True),
+        ("data.path", "data.path_suffix", False),  # a longer name is another setting
+        ("data.path_suffix", "data.path", False),
+        ("data.val_path", "data.path", False),
+    ],
+)
+def test_a_setting_is_given_on_the_command_line_when_a_flag_sets_it_or_a_setting_above_or_below_it(key, flag, given):
+    from gpo.cli.shipped import command_line_keys, given_on_command_line
+
+    flags = command_line_keys(["fit", "--config", "quickstart", f"--{flag}=x", "--trainer.max_steps", "1"])
+    assert flags == {flag, "trainer.max_steps"}
+    assert given_on_command_line(key, flags) is given
+
+
 def test_a_gpu_asked_for_on_a_machine_without_one_names_the_setting_and_the_fix():
     from gpo.cli.errors import explain
 

@@ -344,14 +344,16 @@ def fit_error(capsys, *args: str) -> str:
         ("seed_everthing: 1\n", "unknown setting seed_everthing\n(set in {})\ndid you mean seed_everything?"),
         # an empty mapping: jsonargparse alone drops the key without a word
         ("trainer:\n  foo: {{}}\n", "unknown setting trainer.foo\n(set in {})\ntrainer takes: accelerator"),
+        # a name that begins a setting's (max_step, max_steps) is still not that setting
+        ("trainer:\n  max_step: {{}}\n", "unknown setting trainer.max_step\n(set in {})\ndid you mean trainer.max_"),
         ("foo: {{a: {{}}}}\n", "unknown setting foo\n(set in {})\nthe top-level settings are model"),
         ("model:\n  algorithm:\n    class_path: CISPO\n    init_args:\n      ppo_clip: {{}}\n",
          "model.algorithm (CISPO) has no setting 'ppo_clip'\n(set in {})\nmodel.algorithm takes: clip_low"),
         ("model:\n  engine:\n    init_args:\n      sampling: {{top_n: {{}}}}\n",
          "model.engine.init_args.sampling (Sampling) has no setting 'top_n'\n(set in {})"),
     ],
-    ids=["misspelt_in_group", "misspelt_top_level", "empty_in_group", "empty_top_level", "empty_preset_setting",
-         "empty_nested_class_setting"],
+    ids=["misspelt_in_group", "misspelt_top_level", "empty_in_group", "empty_misspelt_in_group", "empty_top_level",
+         "empty_preset_setting", "empty_nested_class_setting"],
 )  # fmt: skip
 @pytest.mark.parametrize("printed", [False, True], ids=["fit", "print_config"])  # jsonargparse words them apart
 def test_an_unknown_key_in_a_config_file_is_named_in_full_with_its_file(tmp_path, capsys, content, says, printed):
@@ -359,6 +361,13 @@ def test_an_unknown_key_in_a_config_file_is_named_in_full_with_its_file(tmp_path
     config.write_text(content.format())
     err = fit_error(capsys, "--config", str(config), *(["--print_config"] if printed else []))
     assert err.startswith("gpo fit: error: " + says.format(config)), err
+
+
+def test_an_empty_mapping_in_a_group_given_whole_as_a_flag_is_refused_under_that_group(capsys):
+    # jsonargparse reads --data={...} on its own, under the key data: the unknown key is data.trainer, not the
+    # top-level group trainer
+    err = fit_error(capsys, "--data={trainer: {}}", "--print_config")
+    assert err.startswith("gpo fit: error: unknown setting data.trainer\n"), err
 
 
 def test_a_known_setting_given_as_an_empty_mapping_keeps_its_defaults(capsys):

@@ -126,6 +126,13 @@ def test_an_aggregator_whose_loss_has_no_gradient_is_refused_by_name():
         PolicyObjective(NoGate(), Detached())(logp, old, adv, mask)
 
 
+def test_a_loss_from_inputs_without_gradient_is_not_refused_for_lacking_one():
+    # the objective computed for its values alone (log-probs taken without gradient): nothing to train, nothing wrong
+    logp, old, adv, mask = step_tensors()
+    loss, _ = PolicyObjective(NoGate(), SequenceMean())(logp.detach(), old, adv, mask)
+    assert not loss.requires_grad
+
+
 def test_an_advantage_of_the_wrong_shape_is_refused_by_name():
     rollout = Rollout(
         prompt_ids=torch.ones(4, 2, dtype=torch.long),

@@ -2,6 +2,7 @@
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -373,3 +374,21 @@ def test_an_export_replaces_a_folder_whole_and_leaves_no_partial_or_previous_fol
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exported"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     torch.testing.assert_close(reloaded.lm_head.weight, tiny_model(seed=1).lm_head.weight)
+
+
+def test_export_policy_exports_once_per_fit_whether_or_not_training_ended(tmp_path, monkeypatch):
+    """on_fit_end exports only a fit that got no on_train_end (nothing left to train); each fit of the same callback
+    exports again."""
+    from gpo.models import export
+
+    folders = []
+    monkeypatch.setattr(export, "export_policy", lambda policy, tokenizer, folder, merge: folders.append(folder))
+    callback = ExportPolicy(folder=str(tmp_path / "export"))
+    trainer, module = SimpleNamespace(is_global_zero=True), SimpleNamespace(policy=None, tokenizer=None)
+    callback.on_fit_start(trainer, module)
+    callback.on_train_end(trainer, module)
+    callback.on_fit_end(trainer, module)
+    assert folders == [tmp_path / "export"]
+    callback.on_fit_start(trainer, module)  # a later fit with nothing to train
+    callback.on_fit_end(trainer, module)
+    assert folders == [tmp_path / "export"] * 2

@@ -221,3 +221,15 @@ def test_a_checkpoint_holding_other_pickled_objects_is_refused_as_unsafe_not_as_
     torch.save({"step": 1, "extra": Opaque()}, tmp_path / "last.ckpt")
     with pytest.raises(CheckpointError, match=r"last\.ckpt holds pickled objects other than tensors and plain values"):
         load_checkpoint_file(tmp_path / "last.ckpt", weights_only=True)
+
+
+def test_a_flipped_byte_past_the_first_16_mib_of_a_record_is_refused(tmp_path):
+    """check_records reads a record in 16 MiB pieces; the CRC is compared only once its last byte is read."""
+    weights = torch.ones(5_000_000)  # 20 MB: two pieces
+    torch.save({"w": weights}, tmp_path / "last.ckpt")
+    data = bytearray((tmp_path / "last.ckpt").read_bytes())
+    start = data.index(weights[:1024].numpy().tobytes())
+    data[start + (1 << 24) + 100] ^= 0xFF
+    (tmp_path / "last.ckpt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is damaged .*Bad CRC-32 for file '.*/data/0'"):
+        load_checkpoint_file(tmp_path / "last.ckpt")

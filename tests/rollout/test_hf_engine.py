@@ -336,3 +336,9 @@ def test_sampling_that_is_not_a_sampling_is_refused_when_the_engine_is_built(sam
     """A dict of its fields (the YAML form) would otherwise pass until the first rollout, as an AttributeError."""
     with pytest.raises(TypeError, match=r"HFEngine\(sampling=.*\) takes gpo.rollout.Sampling\(temperature=\.\.\."):
         HFEngine(sampling=sampling)
+
+
+@pytest.mark.parametrize(("sampling", "shown"), [({"max_new_tokens": 4}, "{'max_new_tokens': 4}"), (4, "int")])
+def test_a_refused_sampling_is_shown_as_written_when_a_mapping_and_by_its_type_otherwise(sampling, shown):
+    with pytest.raises(TypeError, match=rf"^HFEngine\(sampling={re.escape(shown)}\) takes "):
+        HFEngine(sampling=sampling)

@@ -234,8 +234,10 @@ def test_without_held_out_prompts_fit_evaluates_nothing_quietly_and_validate_is_
     model, data = tiny_assets
     module = tiny_module(model)
     plain = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}  # Lightning's warnings on
-    L.Trainer(max_steps=1, **plain).fit(module, prompts(model, data))
+    trainer = L.Trainer(max_steps=1, **plain)
+    trainer.fit(module, prompts(model, data))
     assert not [w for w in recwarn if "Total length of" in str(w.message)]  # Lightning's empty loader
+    assert trainer.limit_val_batches == 1.0  # given back after the fit: a later fit with held-out prompts evaluates
     with pytest.raises(ValueError, match=r"validating needs held-out prompts: set data\.val_path"):
         quiet_trainer(1).validate(module, prompts(model, data))
 

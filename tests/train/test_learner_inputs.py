@@ -298,7 +298,7 @@ class MisspeltInput(TokenMask):
 
 
 def test_an_input_the_trainer_does_not_compute_is_refused_naming_the_part_and_the_closest_input():
-    with pytest.raises(ValueError, match=r"MisspeltInput requires 'ref_logps', which the trainer does not compute; "
+    with pytest.raises(ValueError, match=r"^MisspeltInput requires 'ref_logps', which the trainer does not compute; "
                                          r"did you mean 'ref_logp'\? it supplies adv, "):  # fmt: skip
         learner(tiny_model("llama", seed=1), masks=[MisspeltInput()])
 

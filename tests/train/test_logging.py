@@ -443,6 +443,21 @@ def test_a_resume_within_the_same_second_keeps_the_earlier_tensorboard_file(tmp_
     assert len(files) == 2 and sorted(e.step for path in files for e in events_of(path) if e.summary.value) == [0, 1]
 
 
+def test_a_filename_suffix_given_to_the_tensorboard_logger_is_kept(tmp_path):
+    # the unique suffix gpo adds is a default: one given by the user names the file
+    tensorboard = loggers.OneEventTensorBoardLogger(str(tmp_path), filename_suffix=".mine")
+    tensorboard.log_metrics({"loss": 1.0}, step=0)
+    tensorboard.finalize("success")
+    assert [path.name.endswith(".mine") for path in tmp_path.rglob("events.out.tfevents.*")] == [True]
+
+
+def test_an_os_error_that_names_its_file_keeps_that_name_through_the_loggers(tmp_path):
+    # only an error without a file name (a full disk met by a flush) is given the loggers' folder
+    with pytest.raises(PermissionError) as raised, loggers.naming(str(tmp_path)):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "metrics.csv"))
+    assert raised.value.filename == str(tmp_path / "metrics.csv")
+
+
 def test_a_resume_of_a_root_without_runs_starts_version_0(tmp_path):
     assert [logger.version for logger in default_loggers(str(tmp_path), resume=True)] == [0, 0]
 
