@@ -58,6 +58,8 @@ class ContinuedWriter(ExperimentWriter):
         self.evaluation_repeated_first = False  # set by ContinuedCSVLogger.evaluation_repeated_first
         self._kept: list[dict[str, str]] | None = None
         path = Path(self.metrics_file_path)
+        for left in path.parent.glob(f".{path.name}.tmp-*"):  # a rewrite killed midway (replace_rows)
+            left.unlink(missing_ok=True)
         if path.is_file():
             with path.open(newline="") as file:
                 self._kept = list(csv.DictReader(file))

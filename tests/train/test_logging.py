@@ -362,6 +362,18 @@ def test_a_csv_rewrite_cut_short_leaves_the_rows_already_written(tmp_path, monke
     assert [p.name for p in Path(logger.log_dir).iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_resumed_csv_writer_removes_the_file_a_killed_rewrite_left(tmp_path):
+    (logger, _) = default_loggers(str(tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.save()
+    left = Path(logger.log_dir) / ".metrics.csv.tmp-12345"  # a rewrite killed before its rename
+    left.write_text("step,loss\n")
+    (resumed, _) = default_loggers(str(tmp_path), resume=True)
+    resumed.log_metrics({"loss": 2.0}, step=1)
+    resumed.save()
+    assert not left.exists() and csv_rows(resumed) == [{"step": "0", "loss": "1.0"}, {"step": "1", "loss": "2.0"}]
+
+
 def test_a_full_disk_met_by_the_loggers_names_their_folder_and_is_printed_as_one_line(tmp_path, monkeypatch):
     """A write or flush that meets a full disk raises ``OSError(28)`` without a file name, which gpo took for a bug
     and showed as a 95-line traceback; named, ``gpo`` prints it in one line. tensorboardX's exit hook does not try
