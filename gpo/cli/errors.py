@@ -87,13 +87,11 @@ def explain(
     if not any(marker in message for marker in JSONARGPARSE_MARKERS):  # gpo's own check: it names key and fix
         own = _OWN_SETTING.match(message)
         value = own and own.group(2) and own.group(2).strip("'\"")
-        given = own and given_on_command_line(own.group(1), flags)
-        source = own and not given and file_holding(own.group(1), config_files, value)
+        source = own and _set_in(own.group(1), value, config_files, flags)
         return "\n".join([message, *([f"(set in {source})"] if source else []), *moved])
     key, problem, unknown = _key_and_problem(message)
     rejected_value = None if unknown else _GOT_VALUE.search(message)
-    given = key is not None and given_on_command_line(key, flags)
-    source = file_holding(key, config_files, rejected_value and rejected_value.group(1)) if key and not given else None
+    source = _set_in(key, rejected_value and rejected_value.group(1), config_files, flags) if key else None
     if key is not None and not unknown and message.rstrip().endswith(_NO_VALUE):
         lines = [_unset(key.replace(".init_args.", "."), source, config_files)]
     else:
@@ -113,6 +111,12 @@ def explain(
         lines.extend(_algorithm_hints(key, message))
     lines.extend(_class_hints(message, key, known))
     return "\n".join([*lines, *moved])
+
+
+def _set_in(key: str, value: str | None, config_files: Iterable[str], flags: Iterable[str]) -> str | None:
+    """The config file that sets ``key`` (to ``value``, if known), for the message; None when a flag of the command
+    line sets it, or no file does."""
+    return None if given_on_command_line(key, flags) else file_holding(key, config_files, value)
 
 
 def _unset(key: str, source: str | None, config_files: Iterable[str]) -> str:

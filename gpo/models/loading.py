@@ -75,12 +75,13 @@ def check_pretrained_folder(path: str, field: str, kind: Literal["model", "token
         if _HUB_ID.match(path):
             check_hub_id(path, field, kind)
             return
-        guess = closest_file(folder, then=" Otherwise p")
+        guess = closest_file(folder)
+        target = (f"{field} at a folder written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), "
+                  "a .gguf file, or a GGUF model shipped in a package (package:file.gguf); relative paths start from "
+                  "the working directory.")  # fmt: skip
+        missing = f"{field}={path!r}: no such folder (looked for {folder.absolute()})"
         raise FileNotFoundError(
-            f"{field}={path!r}: no such folder (looked for {folder.absolute()}){f'; {guess}' if guess else '. P'}oint "
-            f"{field} at a folder written by save_pretrained (`gpo tiny DIR` writes a tiny one to DIR/model), a .gguf "
-            "file, or a GGUF model shipped in a package (package:file.gguf); relative paths start from the working "
-            "directory."
+            f"{missing}; {guess} Otherwise point {target}" if guess else f"{missing}. Point {target}"
         )
     if not folder.is_dir():
         raise FileNotFoundError(
